@@ -1,0 +1,33 @@
+"""Command line: ``python -m trainsan demo [...]``, ``python -m trainsan info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions and build configuration")
+    demo = sub.add_parser("demo", help="train a small model with TrainSan on", add_help=False)
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "info":
+        import torch
+
+        import trainsan
+
+        print(f"trainsan {trainsan.__version__}, torch {torch.__version__}, "
+              f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
+              f"CUDA device visible: {torch.cuda.is_available()}")
+        return 0
+    if args.cmd == "demo":
+        from . import demo as demo_mod
+
+        return demo_mod.main(list(args.rest) + rest)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

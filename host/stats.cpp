@@ -1,0 +1,274 @@
+// Host layer of the statistics pass: validation, tensor -> descriptor, the CPU backend's parallel
+// driver, device grouping and unpacking.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "stats.cuh"
+#include "stats_internal.h"
+
+namespace trainsan {
+
+namespace kn = kernels;
+
+namespace host {
+namespace {
+
+std::optional<kn::DType> to_dtype(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return kn::DType::kFloat32;
+    case at::kHalf: return kn::DType::kFloat16;
+    case at::kBFloat16: return kn::DType::kBFloat16;
+    case at::kDouble: return kn::DType::kFloat64;
+    case at::kChar: return kn::DType::kInt8;
+    case at::kShort: return kn::DType::kInt16;
+    case at::kInt: return kn::DType::kInt32;
+    case at::kLong: return kn::DType::kInt64;
+    case at::kByte: return kn::DType::kUInt8;
+    case at::kBool: return kn::DType::kBool;
+    default: return std::nullopt;
+  }
+}
+
+constexpr const char* kSupported =
+    "float32, float16, bfloat16, float64, int8, int16, int32, int64, uint8, bool";
+
+// Drop size-1 dims and merge neighbours that are contiguous with each other, so that most views
+// (slices, transposes of 2-D blocks, expanded dims) fit kMaxDims and contiguous ones become 1-D.
+int collapse(const at::Tensor& t, int64_t* sizes, int64_t* strides, int max_dims) {
+  int nd = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t size = t.size(d);
+    const int64_t stride = t.stride(d);
+    if (size == 1) continue;
+    if (nd > 0 && strides[nd - 1] == stride * size) {
+      sizes[nd - 1] *= size;
+      strides[nd - 1] = stride;
+      continue;
+    }
+    if (nd == max_dims) return max_dims + 1;
+    sizes[nd] = size;
+    strides[nd] = stride;
+    ++nd;
+  }
+  if (nd == 0) {
+    sizes[0] = 1;
+    strides[0] = 1;
+    nd = 1;
+  }
+  return nd;
+}
+
+}  // namespace
+
+void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(t.defined(), fn, ": tensors[", i,
+                      "] is an undefined tensor; pass only defined tensors (a parameter whose "
+                      ".grad is None has no gradient to inspect)");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, fn, ": tensors[", i, "] has layout ",
+                      t.layout(), "; only dense (strided) tensors are supported, call .to_dense()");
+    TORCH_CHECK_VALUE(!t.is_quantized(), fn, ": tensors[", i,
+                      "] is quantized; call .dequantize() first");
+    TORCH_CHECK_VALUE(!t.is_meta(), fn, ": tensors[", i,
+                      "] is a meta tensor, which holds no data to compute statistics of");
+    TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), fn, ": tensors[", i,
+                      "] is on device ", t.device(), "; only CPU and CUDA tensors are supported");
+    TORCH_CHECK_TYPE(to_dtype(t.scalar_type()).has_value(), fn, ": tensors[", i, "] has dtype ",
+                     t.scalar_type(), ", which is not supported (supported: ", kSupported, ")");
+  }
+}
+
+static void check_one_device(const std::vector<at::Tensor>& tensors, const char* fn) {
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].device() == tensors[0].device(), fn, ": tensors[", i,
+                      "] is on ", tensors[i].device(), " but tensors[0] is on ",
+                      tensors[0].device(),
+                      "; this op takes tensors of one device (trainsan.tensor_stats groups a "
+                      "mixed list by device for you)");
+  }
+}
+
+Described describe(const std::vector<at::Tensor>& tensors) {
+  Described out;
+  out.descs.resize(tensors.size());
+  out.chunk_begin.resize(tensors.size() + 1);
+  int64_t chunks = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor t = tensors[i];
+    if (t.is_neg()) {
+      t = t.resolve_neg();
+      out.keep_alive.push_back(t);
+    }
+    kn::TensorDesc& d = out.descs[i];
+    std::memset(&d, 0, sizeof(d));
+    d.dtype = *to_dtype(t.scalar_type());
+    d.numel = t.numel();
+    int nd = collapse(t, d.sizes, d.strides, kn::kMaxDims);
+    if (nd > kn::kMaxDims) {
+      t = t.contiguous();
+      out.keep_alive.push_back(t);
+      nd = collapse(t, d.sizes, d.strides, kn::kMaxDims);
+    }
+    for (int k = nd; k < kn::kMaxDims; ++k) {
+      d.sizes[k] = 1;
+      d.strides[k] = 0;
+    }
+    d.ndim = nd;
+    d.contiguous = (nd == 1 && d.strides[0] == 1) ? 1 : 0;
+    d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
+    out.chunk_begin[i] = chunks;
+    chunks += kn::num_chunks_of(d.numel);
+  }
+  out.chunk_begin[tensors.size()] = chunks;
+  return out;
+}
+
+PackedStats packed_cpu(const std::vector<at::Tensor>& tensors) {
+  const Described w = describe(tensors);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const int64_t num_chunks = w.chunk_begin[n];
+  std::vector<kn::StatsRecord> partials(static_cast<size_t>(num_chunks));
+  // Chunk -> tensor in one sequential pass, then chunks in parallel; every chunk's record depends
+  // only on its elements, so the thread count cannot change a bit of the result.
+  std::vector<int32_t> owner(static_cast<size_t>(num_chunks));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = w.chunk_begin[t]; c < w.chunk_begin[t + 1]; ++c) {
+      owner[c] = static_cast<int32_t>(t);
+    }
+  }
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<char> scratch;
+    for (int64_t c = begin; c < end; ++c) {
+      const kn::TensorDesc& d = w.descs[owner[c]];
+      const int64_t start = (c - w.chunk_begin[owner[c]]) * kn::kChunkSize;
+      const int64_t count = std::min(kn::kChunkSize, d.numel - start);
+      if (!d.contiguous && scratch.empty()) {
+        scratch.resize(static_cast<size_t>(kn::kChunkSize * 8));
+      }
+      kn::cpu_chunk_stats(d, start, count, scratch.data(), &partials[c]);
+    }
+  });
+  at::Tensor ints = at::empty({n, kn::kIntFields}, at::kLong);
+  at::Tensor floats = at::empty({n, kn::kFloatFields}, at::kDouble);
+  int64_t* ip = ints.data_ptr<int64_t>();
+  double* fp = floats.data_ptr<double>();
+  for (int64_t t = 0; t < n; ++t) {
+    kn::StatsRecord r;
+    kn::combine_records(partials.data() + w.chunk_begin[t], w.chunk_begin[t + 1] - w.chunk_begin[t],
+                        &r);
+    kn::pack_record(r, ip + t * kn::kIntFields, fp + t * kn::kFloatFields);
+  }
+  return {ints, floats};
+}
+
+PackedStats packed_meta(const std::vector<at::Tensor>& tensors) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const auto dev = tensors.empty() ? at::Device(at::kMeta) : tensors[0].device();
+  return {at::empty({n, kn::kIntFields}, at::TensorOptions().dtype(at::kLong).device(dev)),
+          at::empty({n, kn::kFloatFields}, at::TensorOptions().dtype(at::kDouble).device(dev))};
+}
+
+#ifndef TRAINSAN_WITH_CUDA
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(false, "tensor_stats: tensors[0] is on ", tensors.at(0).device(),
+                    " but this TrainSan build has no CUDA support; reinstall it on a machine with "
+                    "the CUDA toolkit (nvcc) so that TRAINSAN_WITH_CUDA is on");
+}
+#endif
+
+}  // namespace host
+
+PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors) {
+  host::check_tensors(tensors, "tensor_stats_packed");
+  host::check_one_device(tensors, "tensor_stats_packed");
+  if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors);
+  return host::packed_cpu(tensors);
+}
+
+std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
+  TORCH_CHECK_VALUE(packed.ints.dim() == 2 && packed.ints.size(1) == kn::kIntFields &&
+                        packed.floats.dim() == 2 && packed.floats.size(1) == kn::kFloatFields &&
+                        packed.ints.size(0) == packed.floats.size(0),
+                    "unpack_stats: expected ints [N, 8] and floats [N, 5], got ",
+                    packed.ints.sizes(), " and ", packed.floats.sizes());
+  const at::Tensor ints = packed.ints.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor floats = packed.floats.to(at::kCPU, at::kDouble).contiguous();
+  const int64_t* ip = ints.const_data_ptr<int64_t>();
+  const double* fp = floats.const_data_ptr<double>();
+  std::vector<TensorStats> out(static_cast<size_t>(ints.size(0)));
+  for (size_t t = 0; t < out.size(); ++t) {
+    const int64_t* r = ip + t * kn::kIntFields;
+    const double* f = fp + t * kn::kFloatFields;
+    TensorStats& s = out[t];
+    s.numel = r[0];
+    s.nan = r[1];
+    s.posinf = r[2];
+    s.neginf = r[3];
+    s.zero = r[4];
+    s.subnormal = r[5];
+    s.fp16_overflow = r[6];
+    s.hash = static_cast<uint64_t>(r[7]);
+    auto opt = [](double v) { return std::isnan(v) ? std::nullopt : std::optional<double>(v); };
+    s.min = opt(f[0]);
+    s.max = opt(f[1]);
+    s.absmax = opt(f[2]);
+    s.sum = f[3];
+    s.l2 = f[4];
+  }
+  return out;
+}
+
+std::vector<TensorStats> tensor_stats(const std::vector<at::Tensor>& tensors) {
+  host::check_tensors(tensors, "tensor_stats");
+  // One pass per device, launched for every device before any result is read.
+  std::map<std::pair<int, int>, std::vector<size_t>> groups;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto dev = tensors[i].device();
+    groups[{static_cast<int>(dev.type()), dev.index()}].push_back(i);
+  }
+  std::vector<std::pair<std::vector<size_t>, PackedStats>> launched;
+  for (auto& [key, idx] : groups) {
+    std::vector<at::Tensor> group;
+    group.reserve(idx.size());
+    for (size_t i : idx) group.push_back(tensors[i]);
+    launched.emplace_back(idx, tensor_stats_packed(group));
+  }
+  std::vector<TensorStats> out(tensors.size());
+  for (auto& [idx, packed] : launched) {
+    const std::vector<TensorStats> part = unpack_stats(packed);
+    for (size_t k = 0; k < idx.size(); ++k) out[idx[k]] = part[k];
+  }
+  return out;
+}
+
+bool cuda_compiled() { return kn::cuda_compiled(); }
+
+std::string TensorStats::to_string() const {
+  std::ostringstream os;
+  auto opt = [&](const std::optional<double>& v) {
+    if (v) {
+      os << *v;
+    } else {
+      os << "None";
+    }
+  };
+  os << "TensorStats(numel=" << numel << ", nan=" << nan << ", posinf=" << posinf
+     << ", neginf=" << neginf << ", zero=" << zero << ", subnormal=" << subnormal
+     << ", fp16_overflow=" << fp16_overflow << ", min=";
+  opt(min);
+  os << ", max=";
+  opt(max);
+  os << ", absmax=";
+  opt(absmax);
+  os << ", sum=" << sum << ", l2=" << l2 << ", hash=0x" << std::hex << hash << ")";
+  return os.str();
+}
+
+}  // namespace trainsan

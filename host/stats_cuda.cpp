@@ -1,0 +1,58 @@
+// CUDA path of the statistics pass: descriptors and chunk table go to the device in one
+// asynchronous copy from pinned memory, then the two kernels of kernels/stats.cu run on the
+// current stream. Nothing here synchronises with the device.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+
+#include "stats.h"
+#include "stats_internal.h"
+
+namespace trainsan::host {
+
+namespace kn = kernels;
+
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
+  const at::Device device = tensors.at(0).device();
+  const c10::cuda::CUDAGuard guard(device);
+  const Described w = describe(tensors);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const int64_t num_chunks = w.chunk_begin[n];
+
+  // One host buffer [descs | chunk_begin], pinned so the copy is truly asynchronous; the caching
+  // host allocator keeps it alive until the copy has run.
+  const int64_t desc_bytes = n * static_cast<int64_t>(sizeof(kn::TensorDesc));
+  const int64_t table_bytes = (n + 1) * static_cast<int64_t>(sizeof(int64_t));
+  at::Tensor host_buf =
+      at::empty({desc_bytes + table_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto* hp = host_buf.mutable_data_ptr<uint8_t>();
+  std::memcpy(hp, w.descs.data(), static_cast<size_t>(desc_bytes));
+  std::memcpy(hp + desc_bytes, w.chunk_begin.data(), static_cast<size_t>(table_bytes));
+  at::Tensor dev_buf = host_buf.to(device, /*non_blocking=*/true);
+
+  const auto opts = at::TensorOptions().device(device);
+  at::Tensor partials = at::empty(
+      {std::max<int64_t>(num_chunks, 1) * static_cast<int64_t>(sizeof(kn::StatsRecord))},
+      opts.dtype(at::kByte));
+  at::Tensor ints = at::empty({n, kn::kIntFields}, opts.dtype(at::kLong));
+  at::Tensor floats = at::empty({n, kn::kFloatFields}, opts.dtype(at::kDouble));
+
+  auto* dp = dev_buf.mutable_data_ptr<uint8_t>();
+  kn::cuda_tensor_stats(reinterpret_cast<const kn::TensorDesc*>(dp), n,
+                        reinterpret_cast<const int64_t*>(dp + desc_bytes), num_chunks,
+                        reinterpret_cast<kn::StatsRecord*>(partials.mutable_data_ptr<uint8_t>()),
+                        ints.mutable_data_ptr<int64_t>(), floats.mutable_data_ptr<double>(),
+                        c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  // Keep the inputs' memory from being reused by the caching allocator on another stream before
+  // the kernels have read it.
+  const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() > 0) t.record_stream(stream);
+  }
+  for (const at::Tensor& t : w.keep_alive) t.record_stream(stream);
+  return {ints, floats};
+}
+
+}  // namespace host

@@ -1,0 +1,100 @@
+// Plain descriptors and entry points of the fused statistics pass. No LibTorch, no CUDA headers:
+// the host layer fills these from at::Tensor, the CPU backend and the CUDA kernels consume them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace trainsan::kernels {
+
+enum class DType : int32_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt8 = 4,
+  kInt16 = 5,
+  kInt32 = 6,
+  kInt64 = 7,
+  kUInt8 = 8,
+  kBool = 9,
+};
+
+const char* dtype_name(DType dtype);
+int64_t dtype_size(DType dtype);
+bool dtype_is_floating(DType dtype);
+
+// Collapsed views of up to kMaxDims dimensions are read in place; the host layer makes anything
+// with more (after merging dimensions that are contiguous with each other) contiguous first.
+constexpr int kMaxDims = 6;
+
+// Note [Chunking]
+// Every tensor is cut into chunks of kChunkSize logical (row-major) elements; the last chunk of a
+// tensor may be shorter and an empty tensor has none. Each chunk produces one StatsRecord
+// (a partial) in its own slot, and the partials of a tensor are combined in chunk order. The chunk
+// boundaries depend only on numel, so results do not depend on thread count or launch shape.
+constexpr int64_t kChunkSize = int64_t{1} << 16;
+
+struct TensorDesc {
+  const void* data;  // address of logical element 0 (storage pointer + storage offset)
+  int64_t numel;
+  int64_t sizes[kMaxDims];    // after collapsing; unused trailing dims are 1
+  int64_t strides[kMaxDims];  // in elements; 0 for expanded dims
+  int32_t ndim;               // 1..kMaxDims (a 0-d tensor is described as [1])
+  DType dtype;
+  int32_t contiguous;  // 1 when element i lives at data + i * elem_size
+  int32_t pad_;
+};
+
+// The chunk table is `chunk_begin`: num_tensors + 1 ascending offsets, tensor i owning chunks
+// [chunk_begin[i], chunk_begin[i+1]) = ceil(numel_i / kChunkSize) of them.
+inline int64_t num_chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+
+// Note [Stats record]
+// One record per chunk (partial) and per tensor (final). Counts are exact integers. min, max,
+// absmax, sum and sumsq cover finite elements only (one NaN must not hide the rest); they are
+// +inf/-inf/0/0/0 when there is none. sum and sumsq are accumulated in float64. hash holds the
+// un-finalized fingerprint sum S (Note [Hash]); finalize_hash() turns S into the public value.
+struct StatsRecord {
+  int64_t numel;
+  int64_t nan;
+  int64_t posinf;
+  int64_t neginf;
+  int64_t zero;
+  int64_t subnormal;
+  int64_t fp16_overflow;
+  uint64_t hash;
+  double min;
+  double max;
+  double absmax;
+  double sum;
+  double sumsq;
+};
+static_assert(sizeof(StatsRecord) == 13 * 8, "StatsRecord is copied as raw words");
+
+// Number of int64 and float64 columns in the packed result (host layer, Python).
+constexpr int kIntFields = 8;    // numel nan posinf neginf zero subnormal fp16_overflow hash
+constexpr int kFloatFields = 5;  // min max absmax sum l2
+
+// CPU backend, torch-free part: statistics of one chunk of a tensor, into *out.
+// `scratch` must hold kChunkSize * dtype_size bytes; it is used to gather strided chunks.
+void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* scratch,
+                     StatsRecord* out);
+
+// Combine `n` partials in order into one record (Note [Chunking]).
+void combine_records(const StatsRecord* parts, int64_t n, StatsRecord* out);
+
+// CUDA backend (defined only when built with CUDA). All pointers are device pointers:
+// `tensors` and `chunk_begin` (num_tensors + 1 entries) describe the work, `partials` has room
+// for num_chunks records, and the packed results go to out_int [num_tensors x kIntFields] and
+// out_float [num_tensors x kFloatFields]. Two kernel launches on `stream` however many tensors,
+// no host synchronisation, no allocation: capturable in a CUDA graph.
+void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
+                       int64_t num_chunks, StatsRecord* partials, int64_t* out_int,
+                       double* out_float, CUstream_st* stream);
+
+bool cuda_compiled();
+
+}  // namespace trainsan::kernels

@@ -1,0 +1,16 @@
+// Stand-ins for the CUDA entry points in a build without the CUDA toolkit.
+#include "check.h"
+#include "stats.h"
+
+namespace trainsan::kernels {
+
+void cuda_tensor_stats(const TensorDesc*, int64_t, const int64_t*, int64_t, StatsRecord*,
+                       int64_t*, double*, CUstream_st*) {
+  TRAINSAN_CHECK(false,
+                 "this TrainSan build has no CUDA support; rebuild with the CUDA toolkit "
+                 "(TRAINSAN_WITH_CUDA=ON) to compute statistics of CUDA tensors");
+}
+
+bool cuda_compiled() { return false; }
+
+}  // namespace trainsan::kernels

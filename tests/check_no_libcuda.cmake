@@ -1,0 +1,13 @@
+# Fails when LIB has a DT_NEEDED entry for the CUDA driver library (libcuda.so*).
+execute_process(COMMAND readelf -d "${LIB}" OUTPUT_VARIABLE out RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "readelf -d ${LIB} failed (${rc}); install binutils")
+endif()
+string(REGEX MATCHALL "Shared library: \\[[^]]+\\]" needed "${out}")
+message(STATUS "${LIB} needs: ${needed}")
+if(NOT needed)
+  message(FATAL_ERROR "no NEEDED entries read from ${LIB}: is it a shared library?")
+endif()
+if(out MATCHES "Shared library: \\[libcuda\\.so")
+  message(FATAL_ERROR "${LIB} links libcuda.so: it would not load on a machine without a driver")
+endif()
