@@ -74,6 +74,8 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
                       ".grad is None has no gradient to inspect)");
     TORCH_CHECK_VALUE(t.layout() == at::kStrided, fn, ": tensors[", i, "] has layout ",
                       t.layout(), "; only dense (strided) tensors are supported, call .to_dense()");
+    TORCH_CHECK_VALUE(!t.is_nested(), fn, ": tensors[", i,
+                      "] is a nested tensor; pass its components (.unbind()) instead");
     TORCH_CHECK_VALUE(!t.is_quantized(), fn, ": tensors[", i,
                       "] is quantized; call .dequantize() first");
     TORCH_CHECK_VALUE(!t.is_meta(), fn, ": tensors[", i,
@@ -95,7 +97,8 @@ static void check_one_device(const std::vector<at::Tensor>& tensors, const char*
   }
 }
 
-Described describe(const std::vector<at::Tensor>& tensors) {
+Described describe(const std::vector<at::Tensor>& tensors,
+                   const std::vector<at::Tensor>* snapshots) {
   Described out;
   out.descs.resize(tensors.size());
   out.chunk_begin.resize(tensors.size() + 1);
@@ -123,6 +126,13 @@ Described describe(const std::vector<at::Tensor>& tensors) {
     d.ndim = nd;
     d.contiguous = (nd == 1 && d.strides[0] == 1) ? 1 : 0;
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
+    d.snapshot = nullptr;
+    if (snapshots != nullptr && (*snapshots)[i].defined() && d.numel > 0) {
+      const at::Tensor& snap = (*snapshots)[i];
+      TORCH_INTERNAL_ASSERT(snap.is_contiguous() && snap.numel() == d.numel &&
+                            snap.scalar_type() == t.scalar_type() && snap.device() == t.device());
+      d.snapshot = snap.mutable_data_ptr();
+    }
     out.chunk_begin[i] = chunks;
     chunks += kn::num_chunks_of(d.numel);
   }
@@ -130,8 +140,12 @@ Described describe(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-PackedStats packed_cpu(const std::vector<at::Tensor>& tensors) {
-  const Described w = describe(tensors);
+PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
+                       const std::vector<at::Tensor>* snapshots) {
+  const Described w = describe(tensors, snapshots);
+  const bool with_update = snapshots != nullptr;
+  const int ni = with_update ? kn::kIntFieldsUpdate : kn::kIntFields;
+  const int nf = with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t num_chunks = w.chunk_begin[n];
   std::vector<kn::StatsRecord> partials(static_cast<size_t>(num_chunks));
@@ -155,20 +169,27 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors) {
       kn::cpu_chunk_stats(d, start, count, scratch.data(), &partials[c]);
     }
   });
-  at::Tensor ints = at::empty({n, kn::kIntFields}, at::kLong);
-  at::Tensor floats = at::empty({n, kn::kFloatFields}, at::kDouble);
+  at::Tensor ints = at::empty({n, ni}, at::kLong);
+  at::Tensor floats = at::empty({n, nf}, at::kDouble);
   int64_t* ip = ints.data_ptr<int64_t>();
   double* fp = floats.data_ptr<double>();
   for (int64_t t = 0; t < n; ++t) {
     kn::StatsRecord r;
     kn::combine_records(partials.data() + w.chunk_begin[t], w.chunk_begin[t + 1] - w.chunk_begin[t],
                         &r);
-    kn::pack_record(r, ip + t * kn::kIntFields, fp + t * kn::kFloatFields);
+    if (with_update) {
+      kn::pack_record_update(r, ip + t * ni, fp + t * nf);
+    } else {
+      kn::pack_record(r, ip + t * ni, fp + t * nf);
+    }
   }
   return {ints, floats};
 }
 
 PackedStats packed_meta(const std::vector<at::Tensor>& tensors) {
+  // Meta outranks CPU in dispatch, so a [cpu, meta] list lands here: refuse it as the real
+  // kernels do rather than return uninitialised rows on tensors[0]'s device.
+  check_one_device(tensors, "tensor_stats");
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto dev = tensors.empty() ? at::Device(at::kMeta) : tensors[0].device();
   return {at::empty({n, kn::kIntFields}, at::TensorOptions().dtype(at::kLong).device(dev)),
@@ -176,7 +197,14 @@ PackedStats packed_meta(const std::vector<at::Tensor>& tensors) {
 }
 
 #ifndef TRAINSAN_WITH_CUDA
-PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
+HostCopy start_host_copy(const PackedStats& packed) {
+  TORCH_INTERNAL_ASSERT(!packed.ints.is_cuda(), "CUDA results in a build without CUDA");
+  return {packed, nullptr};
+}
+bool host_copy_ready(const HostCopy&) { return true; }
+void wait_host_copy(const HostCopy&) {}
+
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>*) {
   TORCH_CHECK_VALUE(false, "tensor_stats: tensors[0] is on ", tensors.at(0).device(),
                     " but this TrainSan build has no CUDA support; reinstall it on a machine with "
                     "the CUDA toolkit (nvcc) so that TRAINSAN_WITH_CUDA is on");
@@ -193,8 +221,8 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors) {
 }
 
 std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
-  TORCH_CHECK_VALUE(packed.ints.dim() == 2 && packed.ints.size(1) == kn::kIntFields &&
-                        packed.floats.dim() == 2 && packed.floats.size(1) == kn::kFloatFields &&
+  TORCH_CHECK_VALUE(packed.ints.dim() == 2 && packed.ints.size(1) >= kn::kIntFields &&
+                        packed.floats.dim() == 2 && packed.floats.size(1) >= kn::kFloatFields &&
                         packed.ints.size(0) == packed.floats.size(0),
                     "unpack_stats: expected ints [N, 8] and floats [N, 5], got ",
                     packed.ints.sizes(), " and ", packed.floats.sizes());
@@ -204,8 +232,8 @@ std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
   const double* fp = floats.const_data_ptr<double>();
   std::vector<TensorStats> out(static_cast<size_t>(ints.size(0)));
   for (size_t t = 0; t < out.size(); ++t) {
-    const int64_t* r = ip + t * kn::kIntFields;
-    const double* f = fp + t * kn::kFloatFields;
+    const int64_t* r = ip + t * ints.size(1);
+    const double* f = fp + t * floats.size(1);
     TensorStats& s = out[t];
     s.numel = r[0];
     s.nan = r[1];

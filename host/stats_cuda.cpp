@@ -2,6 +2,7 @@
 // asynchronous copy from pinned memory, then the two kernels of kernels/stats.cu run on the
 // current stream. Nothing here synchronises with the device.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -14,10 +15,12 @@ namespace trainsan::host {
 
 namespace kn = kernels;
 
-PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
+                        const std::vector<at::Tensor>* snapshots) {
   const at::Device device = tensors.at(0).device();
   const c10::cuda::CUDAGuard guard(device);
-  const Described w = describe(tensors);
+  const Described w = describe(tensors, snapshots);
+  const bool with_update = snapshots != nullptr;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t num_chunks = w.chunk_begin[n];
 
@@ -36,15 +39,17 @@ PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
   at::Tensor partials = at::empty(
       {std::max<int64_t>(num_chunks, 1) * static_cast<int64_t>(sizeof(kn::StatsRecord))},
       opts.dtype(at::kByte));
-  at::Tensor ints = at::empty({n, kn::kIntFields}, opts.dtype(at::kLong));
-  at::Tensor floats = at::empty({n, kn::kFloatFields}, opts.dtype(at::kDouble));
+  at::Tensor ints = at::empty({n, with_update ? kn::kIntFieldsUpdate : kn::kIntFields},
+                              opts.dtype(at::kLong));
+  at::Tensor floats = at::empty({n, with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields},
+                                opts.dtype(at::kDouble));
 
   auto* dp = dev_buf.mutable_data_ptr<uint8_t>();
   kn::cuda_tensor_stats(reinterpret_cast<const kn::TensorDesc*>(dp), n,
                         reinterpret_cast<const int64_t*>(dp + desc_bytes), num_chunks,
                         reinterpret_cast<kn::StatsRecord*>(partials.mutable_data_ptr<uint8_t>()),
                         ints.mutable_data_ptr<int64_t>(), floats.mutable_data_ptr<double>(),
-                        c10::cuda::getCurrentCUDAStream(device.index()).stream());
+                        with_update, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   // Keep the inputs' memory from being reused by the caching allocator on another stream before
   // the kernels have read it.
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
@@ -53,6 +58,36 @@ PackedStats packed_cuda(const std::vector<at::Tensor>& tensors) {
   }
   for (const at::Tensor& t : w.keep_alive) t.record_stream(stream);
   return {ints, floats};
+}
+
+HostCopy start_host_copy(const PackedStats& packed) {
+  if (!packed.ints.is_cuda()) return {packed, nullptr};
+  const c10::cuda::CUDAGuard guard(packed.ints.device());
+  const auto pinned = at::TensorOptions().pinned_memory(true);
+  PackedStats host{at::empty(packed.ints.sizes(), pinned.dtype(at::kLong)),
+                   at::empty(packed.floats.sizes(), pinned.dtype(at::kDouble))};
+  host.ints.copy_(packed.ints, /*non_blocking=*/true);
+  host.floats.copy_(packed.floats, /*non_blocking=*/true);
+  cudaEvent_t ev = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream().stream()));
+  std::shared_ptr<void> event(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+  return {host, event};
+}
+
+bool host_copy_ready(const HostCopy& copy) {
+  if (!copy.event) return true;
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(copy.event.get()));
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  return true;
+}
+
+void wait_host_copy(const HostCopy& copy) {
+  if (copy.event) C10_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(copy.event.get())));
 }
 
 }  // namespace host

@@ -19,10 +19,27 @@ struct Described {
 
 // Checks every element (TypeError/ValueError naming it) and that all share one device.
 void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn);
-Described describe(const std::vector<at::Tensor>& tensors);
+// `snapshots` (optional, one per tensor, undefined where none): contiguous tensors of the same
+// dtype and numel that receive the update statistics pass (Note [Update]) and are overwritten.
+Described describe(const std::vector<at::Tensor>& tensors,
+                   const std::vector<at::Tensor>* snapshots = nullptr);
 
-PackedStats packed_cpu(const std::vector<at::Tensor>& tensors);
-PackedStats packed_cuda(const std::vector<at::Tensor>& tensors);  // stats_cuda.cpp
+// One pass over tensors of one device. With snapshots the packed rows have the update columns
+// (kIntFieldsUpdate / kFloatFieldsUpdate).
+PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
+                       const std::vector<at::Tensor>* snapshots = nullptr);
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
+                        const std::vector<at::Tensor>* snapshots = nullptr);  // stats_cuda.cpp
 PackedStats packed_meta(const std::vector<at::Tensor>& tensors);
+
+// Packed results on their way to the host: for CUDA, an asynchronous copy into pinned memory and
+// an event recorded after it on the current stream; for CPU, the results themselves.
+struct HostCopy {
+  PackedStats host;
+  std::shared_ptr<void> event;  // CUDA event, null for CPU results
+};
+HostCopy start_host_copy(const PackedStats& packed);
+bool host_copy_ready(const HostCopy& copy);  // never blocks
+void wait_host_copy(const HostCopy& copy);   // blocks until the copy has landed
 
 }  // namespace trainsan::host

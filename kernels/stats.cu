@@ -69,7 +69,19 @@ __device__ __forceinline__ T load_strided(const TensorDesc& t, int64_t index) {
 }
 
 template <typename T>
+__device__ void chunk_update(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
+  T* snap = static_cast<T*>(t.snapshot) + start;
+  for (int64_t i = threadIdx.x; i < count; i += kBlockSize) {
+    const T v = t.contiguous ? static_cast<const T*>(t.data)[start + i]
+                             : load_strided<T>(t, start + i);
+    accumulate_update<T>(r, v, snap[i]);
+    snap[i] = v;
+  }
+}
+
+template <typename T>
 __device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
+  if (t.snapshot != nullptr) chunk_update<T>(t, start, count, r);
   const int tid = threadIdx.x;
   if (t.contiguous) {
     const T* p = static_cast<const T*>(t.data) + start;
@@ -131,7 +143,7 @@ __global__ void __launch_bounds__(kBlockSize)
 __global__ void __launch_bounds__(kBlockSize)
     finalize_kernel(int64_t num_tensors, const int64_t* __restrict__ chunk_begin,
                     const StatsRecord* __restrict__ partials, int64_t* __restrict__ out_int,
-                    double* __restrict__ out_float) {
+                    double* __restrict__ out_float, bool with_update) {
   __shared__ typename BlockReduce::TempStorage temp;
   for (int64_t t = blockIdx.x; t < num_tensors; t += gridDim.x) {
     StatsRecord r;
@@ -140,7 +152,14 @@ __global__ void __launch_bounds__(kBlockSize)
       combine(r, partials[c]);
     }
     const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
-    if (threadIdx.x == 0) pack_record(total, out_int + t * kIntFields, out_float + t * kFloatFields);
+    if (threadIdx.x == 0) {
+      if (with_update) {
+        pack_record_update(total, out_int + t * kIntFieldsUpdate,
+                           out_float + t * kFloatFieldsUpdate);
+      } else {
+        pack_record(total, out_int + t * kIntFields, out_float + t * kFloatFields);
+      }
+    }
     __syncthreads();
   }
 }
@@ -149,7 +168,7 @@ __global__ void __launch_bounds__(kBlockSize)
 
 void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
                        int64_t num_chunks, StatsRecord* partials, int64_t* out_int,
-                       double* out_float, CUstream_st* stream) {
+                       double* out_float, bool with_update, CUstream_st* stream) {
   TRAINSAN_NVTX_RANGE("trainsan/tensor_stats");
   if (num_tensors == 0) return;
   if (num_chunks > 0) {
@@ -160,7 +179,7 @@ void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int
   }
   const int grid = static_cast<int>(num_tensors < kMaxGrid ? num_tensors : kMaxGrid);
   finalize_kernel<<<grid, kBlockSize, 0, stream>>>(num_tensors, chunk_begin, partials, out_int,
-                                                   out_float);
+                                                   out_float, with_update);
   TRAINSAN_CHECK_LAUNCH();
 }
 

@@ -166,6 +166,9 @@ TRAINSAN_HD void init_record(StatsRecord& r) {
   r.absmax = 0.0;
   r.sum = 0.0;
   r.sumsq = 0.0;
+  r.changed = 0;
+  r.dsumsq = 0.0;
+  r.dmax = 0.0;
 }
 
 // Min/max over finite values only: non-finite elements never reach these (they are replaced by
@@ -189,6 +192,9 @@ TRAINSAN_HD void combine(StatsRecord& a, const StatsRecord& b) {
   a.absmax = max_(a.absmax, b.absmax);
   a.sum += b.sum;
   a.sumsq += b.sumsq;
+  a.changed += b.changed;
+  a.dsumsq += b.dsumsq;
+  a.dmax = max_(a.dmax, b.dmax);
 }
 
 // Per-element flags (0/1) of one element, Note [Element classes].
@@ -243,6 +249,24 @@ TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   r.sumsq += d * d;
 }
 
+// Note [Update]
+// With a snapshot s of the previous values: changed counts elements whose bits differ (so a NaN
+// that stays NaN is unchanged, +0 -> -0 is a change); the difference d = x - s is taken in float64
+// over elements finite in both (exact for every dtype but float64, where it rounds once), and
+// dsumsq/dmax accumulate d^2 and |d|.
+template <typename T>
+TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
+  using Tr = ElemTraits<T>;
+  const auto x = Tr::value(v);
+  const auto px = Tr::value(prev);
+  const ElemClass c = classify<T>(v, x);
+  const ElemClass cp = classify<T>(prev, px);
+  r.changed += Tr::bits(v) != Tr::bits(prev);
+  const double d = (c.finite & cp.finite) ? static_cast<double>(x) - static_cast<double>(px) : 0.0;
+  r.dsumsq += d * d;
+  r.dmax = max_(r.dmax, d < 0 ? -d : d);
+}
+
 // Final record -> packed public row: ints [numel nan posinf neginf zero subnormal fp16_overflow
 // hash], floats [min max absmax sum l2]; min/max/absmax are NaN when no element is finite.
 TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats) {
@@ -261,6 +285,15 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
   floats[2] = finite > 0 ? r.absmax : nan;
   floats[3] = r.sum;
   floats[4] = sqrt(r.sumsq);
+}
+
+// Packed row with update statistics: the kIntFields/kFloatFields of pack_record, then changed,
+// and update l2 and update max.
+TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats) {
+  pack_record(r, ints, floats);
+  ints[kIntFields] = r.changed;
+  floats[kFloatFields] = sqrt(r.dsumsq);
+  floats[kFloatFields + 1] = r.dmax;
 }
 
 }  // namespace trainsan::kernels

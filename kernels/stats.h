@@ -46,6 +46,10 @@ struct TensorDesc {
   DType dtype;
   int32_t contiguous;  // 1 when element i lives at data + i * elem_size
   int32_t pad_;
+  // Optional previous-value snapshot: numel elements of the same dtype in logical row-major order.
+  // When set, the pass also computes the update statistics against it (Note [Update]) and then
+  // overwrites it with the current values. Never aliases `data`.
+  void* snapshot;
 };
 
 // The chunk table is `chunk_begin`: num_tensors + 1 ascending offsets, tensor i owning chunks
@@ -71,12 +75,20 @@ struct StatsRecord {
   double absmax;
   double sum;
   double sumsq;
+  // Note [Update]: against the snapshot, when one is given (else 0): elements whose bits changed,
+  // and the float64 sum of squares and max of |x - x_prev| over elements finite in both.
+  int64_t changed;
+  double dsumsq;
+  double dmax;
 };
-static_assert(sizeof(StatsRecord) == 13 * 8, "StatsRecord is copied as raw words");
+static_assert(sizeof(StatsRecord) == 16 * 8, "StatsRecord is copied as raw words");
 
 // Number of int64 and float64 columns in the packed result (host layer, Python).
 constexpr int kIntFields = 8;    // numel nan posinf neginf zero subnormal fp16_overflow hash
 constexpr int kFloatFields = 5;  // min max absmax sum l2
+// With update statistics: one more int column (changed), two more float (update l2, update max).
+constexpr int kIntFieldsUpdate = 9;
+constexpr int kFloatFieldsUpdate = 7;
 
 // CPU backend, torch-free part: statistics of one chunk of a tensor, into *out.
 // `scratch` must hold kChunkSize * dtype_size bytes; it is used to gather strided chunks.
@@ -91,9 +103,11 @@ void combine_records(const StatsRecord* parts, int64_t n, StatsRecord* out);
 // for num_chunks records, and the packed results go to out_int [num_tensors x kIntFields] and
 // out_float [num_tensors x kFloatFields]. Two kernel launches on `stream` however many tensors,
 // no host synchronisation, no allocation: capturable in a CUDA graph.
+// With `with_update`, out_int/out_float have kIntFieldsUpdate/kFloatFieldsUpdate columns and
+// tensors with a snapshot get update statistics (and their snapshot rewritten).
 void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
                        int64_t num_chunks, StatsRecord* partials, int64_t* out_int,
-                       double* out_float, CUstream_st* stream);
+                       double* out_float, bool with_update, CUstream_st* stream);
 
 bool cuda_compiled();
 

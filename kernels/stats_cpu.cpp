@@ -57,9 +57,54 @@ bool dtype_is_floating(DType dtype) {
 namespace {
 
 constexpr int kLanes = 16;
+// Elements per block of the fast-path test below: a multiple of kLanes, small enough that a block
+// read by the test is still in L1 when the body reads it again.
+constexpr int64_t kBlock = 1024;
+
+// Note [Ordinary elements]
+// An element is ordinary when it is zero, or normal and finite with |x| <= 65504: it is then not
+// NaN/±Inf/subnormal/fp16-overflow, so classify() can only flag `zero`, and its finite-masked
+// value is itself. kOrdinaryMax is the bit pattern (sign cleared) of the largest value <= 65504 of
+// the dtype. The CPU loop tests each block of kBlock elements and, when all are ordinary, runs a
+// body without the other five classes and the finite masks; per lane it accumulates the same
+// values in the same order, so every result has the same bits as with the full body.
+template <typename T>
+struct Ordinary;
+template <>
+struct Ordinary<float> {
+  static constexpr uint32_t kMax = 0x477fe000u;  // 65504
+};
+template <>
+struct Ordinary<double> {
+  static constexpr uint64_t kMax = 0x40effc0000000000ull;  // 65504
+};
+template <>
+struct Ordinary<Half> {
+  static constexpr uint16_t kMax = 0x7bff;  // 65504, the largest finite half
+};
+template <>
+struct Ordinary<BFloat16> {
+  static constexpr uint16_t kMax = 0x477f;  // 65280; the next bfloat16 is 65536
+};
+
+template <typename T>
+inline __attribute__((always_inline)) bool all_ordinary(const T* p, int64_t n) {
+  using Tr = ElemTraits<T>;
+  using Bits = typename Tr::Bits;
+  constexpr Bits kRange = Ordinary<T>::kMax - Tr::kMinNormalBits;
+  Bits bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) {
+    const Bits a = static_cast<Bits>(Tr::bits(p[i]) & Tr::kAbsMask);
+    // a - kMinNormalBits wraps for zero and subnormals; zero is ordinary.
+    bad |= static_cast<Bits>((a != 0) & (static_cast<Bits>(a - Tr::kMinNormalBits) > kRange));
+  }
+  return bad == 0;
+}
 
 // Lane-parallel form of accumulate<T>() over a contiguous run; same maths, same result per lane
-// as calling accumulate() element by element, merged in a fixed lane order.
+// as calling accumulate() element by element, merged in a fixed lane order. Lane l of the
+// vectorised part takes elements l, l + kLanes, ... of the run.
 template <typename T>
 inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, int64_t n,
                                                       StatsRecord* out) {
@@ -67,39 +112,65 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
   using Acc = typename Tr::Acc;
   uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
            c_sub[kLanes] = {}, c_ovf[kLanes] = {};
-  Acc mn[kLanes], mx[kLanes], amx[kLanes];
+  Acc mn[kLanes], mx[kLanes];
   double s[kLanes] = {}, ss[kLanes] = {};
   uint64_t h[kLanes] = {};
+  uint64_t ik[kLanes];  // (logical index of lane l's next element) * kHashIndexMul, mod 2^64
   for (int l = 0; l < kLanes; ++l) {
     mn[l] = std::numeric_limits<Acc>::infinity();
     mx[l] = -std::numeric_limits<Acc>::infinity();
-    amx[l] = 0;
+    ik[l] = static_cast<uint64_t>(base + l) * kHashIndexMul;
   }
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const uint64_t idx0 = static_cast<uint64_t>(base + i);
+  constexpr uint64_t kStep = static_cast<uint64_t>(kLanes) * kHashIndexMul;
+  const int64_t n_vec = n - n % kLanes;
+  for (int64_t b = 0; b < n_vec; b += kBlock) {
+    const int64_t b_end = std::min(b + kBlock, n_vec);
+    if constexpr (Tr::kFloating) {
+      if (all_ordinary<T>(p + b, b_end - b)) {  // Note [Ordinary elements]
+        for (int64_t i = b; i < b_end; i += kLanes) {
 #pragma omp simd
-    for (int l = 0; l < kLanes; ++l) {
-      const T v = p[i + l];
-      const Acc x = Tr::value(v);
-      const ElemClass c = classify<T>(v, x);
-      c_nan[l] += c.nan;
-      c_pinf[l] += c.posinf;
-      c_ninf[l] += c.neginf;
-      c_zero[l] += c.zero;
-      c_sub[l] += c.subnormal;
-      c_ovf[l] += c.overflow;
-      const Acc xf = c.finite ? x : Acc(0);
-      const Acc xlo = c.finite ? x : std::numeric_limits<Acc>::infinity();
-      const Acc xhi = c.finite ? x : -std::numeric_limits<Acc>::infinity();
-      mn[l] = xlo < mn[l] ? xlo : mn[l];
-      mx[l] = xhi > mx[l] ? xhi : mx[l];
-      const Acc ax = xf < 0 ? -xf : xf;
-      amx[l] = ax > amx[l] ? ax : amx[l];
-      const double d = static_cast<double>(xf);
-      s[l] += d;
-      ss[l] += d * d;
-      h[l] += mix64(static_cast<uint64_t>(Tr::bits(v)) + (idx0 + l) * kHashIndexMul);
+          for (int l = 0; l < kLanes; ++l) {
+            const T v = p[i + l];
+            const auto bits = Tr::bits(v);
+            const Acc x = Tr::value(v);
+            c_zero[l] += (bits & Tr::kAbsMask) == 0;
+            mn[l] = x < mn[l] ? x : mn[l];
+            mx[l] = x > mx[l] ? x : mx[l];
+            const double d = static_cast<double>(x);
+            s[l] += d;
+            ss[l] += d * d;
+            h[l] += mix64(static_cast<uint64_t>(bits) + ik[l]);
+            ik[l] += kStep;
+          }
+        }
+        continue;
+      }
+    }
+    {
+      for (int64_t i = b; i < b_end; i += kLanes) {
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) {
+          const T v = p[i + l];
+          const Acc x = Tr::value(v);
+          const ElemClass c = classify<T>(v, x);
+          c_nan[l] += c.nan;
+          c_pinf[l] += c.posinf;
+          c_ninf[l] += c.neginf;
+          c_zero[l] += c.zero;
+          c_sub[l] += c.subnormal;
+          c_ovf[l] += c.overflow;
+          const Acc xf = c.finite ? x : Acc(0);
+          const Acc xlo = c.finite ? x : std::numeric_limits<Acc>::infinity();
+          const Acc xhi = c.finite ? x : -std::numeric_limits<Acc>::infinity();
+          mn[l] = xlo < mn[l] ? xlo : mn[l];
+          mx[l] = xhi > mx[l] ? xhi : mx[l];
+          const double d = static_cast<double>(xf);
+          s[l] += d;
+          ss[l] += d * d;
+          h[l] += mix64(static_cast<uint64_t>(Tr::bits(v)) + ik[l]);
+          ik[l] += kStep;
+        }
+      }
     }
   }
   StatsRecord r;
@@ -113,14 +184,55 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
     r.fp16_overflow += c_ovf[l];
     r.min = min_(r.min, static_cast<double>(mn[l]));
     r.max = max_(r.max, static_cast<double>(mx[l]));
-    r.absmax = max_(r.absmax, static_cast<double>(amx[l]));
     r.sum += s[l];
     r.sumsq += ss[l];
     r.hash += h[l];
   }
-  r.numel = i;
-  for (; i < n; ++i) accumulate<T>(r, p[i], base + i);
+  // Over finite values max|x| = max(-min, max) exactly; against +0 this is also the per-element
+  // form's value when every finite value is ±0 or none is finite (min = +inf, max = -inf).
+  r.absmax = max_(0.0, max_(-r.min, r.max));
+  r.numel = n_vec;
+  for (int64_t i = n_vec; i < n; ++i) accumulate<T>(r, p[i], base + i);
   *out = r;
+}
+
+// Lane-parallel form of accumulate_update<T>() (Note [Update]) over a contiguous run, merged into
+// *out in a fixed lane order; then the snapshot holds the current values.
+template <typename T>
+inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t n,
+                                                       StatsRecord* out) {
+  using Tr = ElemTraits<T>;
+  using Acc = typename Tr::Acc;
+  uint32_t ch[kLanes] = {};
+  double dss[kLanes] = {}, dmx[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const T v = p[i + l];
+      const T prev = s[i + l];
+      const Acc x = Tr::value(v);
+      const Acc px = Tr::value(prev);
+      const ElemClass c = classify<T>(v, x);
+      const ElemClass cp = classify<T>(prev, px);
+      ch[l] += Tr::bits(v) != Tr::bits(prev);
+      const double d =
+          (c.finite & cp.finite) ? static_cast<double>(x) - static_cast<double>(px) : 0.0;
+      dss[l] += d * d;
+      const double ad = d < 0 ? -d : d;
+      dmx[l] = ad > dmx[l] ? ad : dmx[l];
+      s[i + l] = v;
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    out->changed += ch[l];
+    out->dsumsq += dss[l];
+    out->dmax = max_(out->dmax, dmx[l]);
+  }
+  for (; i < n; ++i) {
+    accumulate_update<T>(*out, p[i], s[i]);
+    s[i] = p[i];
+  }
 }
 
 TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o) {
@@ -149,6 +261,23 @@ TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsReco
 }
 TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o) {
   chunk_body<uint8_t>(p, b, n, o);
+}
+
+TRAINSAN_CLONES void update_f32(const float* p, float* s, int64_t n, StatsRecord* o) {
+  update_body<float>(p, s, n, o);
+}
+TRAINSAN_CLONES void update_f64(const double* p, double* s, int64_t n, StatsRecord* o) {
+  update_body<double>(p, s, n, o);
+}
+TRAINSAN_CLONES void update_f16(const Half* p, Half* s, int64_t n, StatsRecord* o) {
+  update_body<Half>(p, s, n, o);
+}
+TRAINSAN_CLONES void update_bf16(const BFloat16* p, BFloat16* s, int64_t n, StatsRecord* o) {
+  update_body<BFloat16>(p, s, n, o);
+}
+template <typename T>
+void update_generic(const T* p, T* s, int64_t n, StatsRecord* o) {
+  update_body<T>(p, s, n, o);
 }
 
 // Copy logical elements [start, start + count) of a strided tensor into `dst`, row-major.
@@ -221,6 +350,44 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
     case DType::kInt64: chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out); break;
     case DType::kUInt8:
     case DType::kBool: chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out); break;
+  }
+  if (t.snapshot == nullptr) return;
+  char* snap = static_cast<char*>(t.snapshot) + start * es;
+  switch (t.dtype) {
+    case DType::kFloat32:
+      update_f32(reinterpret_cast<const float*>(p), reinterpret_cast<float*>(snap), count, out);
+      break;
+    case DType::kFloat64:
+      update_f64(reinterpret_cast<const double*>(p), reinterpret_cast<double*>(snap), count, out);
+      break;
+    case DType::kFloat16:
+      update_f16(reinterpret_cast<const Half*>(p), reinterpret_cast<Half*>(snap), count, out);
+      break;
+    case DType::kBFloat16:
+      update_bf16(reinterpret_cast<const BFloat16*>(p), reinterpret_cast<BFloat16*>(snap), count,
+                  out);
+      break;
+    case DType::kInt8:
+      update_generic(reinterpret_cast<const int8_t*>(p), reinterpret_cast<int8_t*>(snap), count,
+                     out);
+      break;
+    case DType::kInt16:
+      update_generic(reinterpret_cast<const int16_t*>(p), reinterpret_cast<int16_t*>(snap), count,
+                     out);
+      break;
+    case DType::kInt32:
+      update_generic(reinterpret_cast<const int32_t*>(p), reinterpret_cast<int32_t*>(snap), count,
+                     out);
+      break;
+    case DType::kInt64:
+      update_generic(reinterpret_cast<const int64_t*>(p), reinterpret_cast<int64_t*>(snap), count,
+                     out);
+      break;
+    case DType::kUInt8:
+    case DType::kBool:
+      update_generic(reinterpret_cast<const uint8_t*>(p), reinterpret_cast<uint8_t*>(snap), count,
+                     out);
+      break;
   }
 }
 

@@ -6,11 +6,33 @@
 
 from __future__ import annotations
 
+from .sanitizer import (
+    KINDS,
+    OPTIONS,
+    Finding,
+    Sanitizer,
+    TrainingBugError,
+    TrainingBugWarning,
+    attach,
+)
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
 
 __version__ = "0.1.0"
 
-__all__ = ["PendingStats", "TensorStats", "tensor_stats", "tensor_stats_async", "cuda_compiled"]
+__all__ = [
+    "KINDS",
+    "OPTIONS",
+    "Finding",
+    "PendingStats",
+    "Sanitizer",
+    "TensorStats",
+    "TrainingBugError",
+    "TrainingBugWarning",
+    "attach",
+    "cuda_compiled",
+    "tensor_stats",
+    "tensor_stats_async",
+]
 
 
 def cuda_compiled() -> bool:

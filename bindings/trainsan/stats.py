@@ -89,6 +89,10 @@ def _check(tensors: object, fn: str) -> list[torch.Tensor]:
                 f"{fn}: tensors[{i}] has layout {t.layout}; only dense tensors are supported, "
                 "call .to_dense()"
             )
+        if t.is_nested:
+            raise ValueError(
+                f"{fn}: tensors[{i}] is a nested tensor; pass its components (.unbind()) instead"
+            )
         if t.is_quantized:
             raise ValueError(f"{fn}: tensors[{i}] is quantized; call .dequantize() first")
         if t.is_meta:
