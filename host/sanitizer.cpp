@@ -588,4 +588,6 @@ std::map<std::string, TensorStats> Sanitizer::last_stats() const { return impl_-
 
 int64_t Sanitizer::step() const { return impl_->step; }
 
+bool Sanitizer::hooks_installed() const { return impl_->hooks_installed(); }
+
 }  // namespace trainsan

@@ -7,12 +7,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "demo":
+        from . import demo as demo_mod
+
+        return demo_mod.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions and build configuration")
-    demo = sub.add_parser("demo", help="train a small model with TrainSan on", add_help=False)
-    demo.add_argument("rest", nargs=argparse.REMAINDER)
-    args, rest = parser.parse_known_args(argv)
+    sub.add_parser("demo", help="train a small model with TrainSan on (--bug NAME, --list-bugs)")
+    args = parser.parse_args(argv)
     if args.cmd == "info":
         import torch
 
@@ -22,10 +26,6 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
               f"CUDA device visible: {torch.cuda.is_available()}")
         return 0
-    if args.cmd == "demo":
-        from . import demo as demo_mod
-
-        return demo_mod.main(list(args.rest) + rest)
     return 2
 
 

@@ -107,6 +107,8 @@ class Sanitizer {
   /// Statistics of the last checked step, by name: "<param>.grad", "<param>", "<param>.update".
   std::map<std::string, TensorStats> last_stats() const;
   int64_t step() const;
+  /// True while the gradient hooks are installed (until close()).
+  bool hooks_installed() const;
 
   SanitizerImpl& impl() { return *impl_; }
 
