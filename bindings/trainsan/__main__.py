@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainsan demo [...]``, ``python -m trainsan info``."""
+"""Command line: ``python -m trainsan {demo,info,report,diff}``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions and build configuration")
+    rep = sub.add_parser("report", help="summarise a trace")
+    rep.add_argument("trace")
+    rep.add_argument("--png", help="also plot the global norms to this PNG (needs matplotlib)")
+    dif = sub.add_parser("diff", help="first step and tensor where two runs diverge")
+    dif.add_argument("a")
+    dif.add_argument("b")
     sub.add_parser("demo", help="train a small model with TrainSan on (--bug NAME, --list-bugs)")
     args = parser.parse_args(argv)
     if args.cmd == "info":
@@ -26,7 +32,17 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
               f"CUDA device visible: {torch.cuda.is_available()}")
         return 0
-    return 2
+    from .report import TraceError, diff, report
+
+    try:
+        if args.cmd == "report":
+            print(report(args.trace, args.png))
+        else:
+            print(diff(args.a, args.b))
+    except TraceError as exc:
+        print(f"trainsan: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

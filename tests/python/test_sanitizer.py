@@ -263,3 +263,34 @@ def test_warnings_do_not_raise_under_raise_policy():
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
     assert {f.kind for f in san.findings} == {"duplicate_batch"}
+
+
+def _traced_run(path, seed):
+    model, opt = _setup(seed=seed)
+    with trainsan.attach(model, opt, trace=path):
+        _train(model, opt, 3)
+
+
+def test_cli_report_and_diff(tmp_path):
+    import subprocess
+    import sys
+
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    _traced_run(a, 0)
+    _traced_run(b, 0)
+    _traced_run(c, 1)
+    run = lambda *args: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "trainsan", *map(str, args)], capture_output=True, text=True
+    )
+    r = run("report", a)
+    assert r.returncode == 0 and "3 step records" in r.stdout and "no findings" in r.stdout
+    r = run("diff", a, b)
+    assert r.returncode == 0 and "no difference in 3 common steps" in r.stdout
+    r = run("diff", a, c)
+    assert r.returncode == 0 and "diverge at step 0" in r.stdout
+    r = run("report", tmp_path / "missing.jsonl")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "header"}\nnot json\n')
+    r = run("report", bad)
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr

@@ -1,0 +1,129 @@
+"""Reading TrainSan traces: ``python -m trainsan report`` and ``python -m trainsan diff``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator, Optional
+
+
+class TraceError(ValueError):
+    """A trace file is missing or malformed; the message names the file and line."""
+
+
+def read_trace(path: str) -> Iterator[dict]:
+    """Yield the records of a JSON Lines trace, checking that it starts with a header."""
+    if not os.path.isfile(path):
+        raise TraceError(f"trace file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
+            if not isinstance(rec, dict) or "type" not in rec:
+                raise TraceError(f"{path}:{lineno}: a trace record needs a 'type' field")
+            if lineno == 1 and rec["type"] != "header":
+                raise TraceError(f"{path}:1: a TrainSan trace starts with a header record")
+            yield rec
+
+
+def report(path: str, png: Optional[str] = None) -> str:
+    """A text report of one trace; with ``png``, also a plot of the global norms."""
+    header, steps, findings, summary, amp = None, [], [], None, 0
+    for rec in read_trace(path):
+        t = rec["type"]
+        if t == "header":
+            header = rec
+        elif t == "step":
+            steps.append(rec)
+        elif t == "finding":
+            findings.append(rec)
+        elif t == "summary":
+            summary = rec
+        elif t == "amp_skip":
+            amp += 1
+    lines = [f"trace {path}"]
+    if header:
+        lines.append(
+            f"  trainsan {header.get('trainsan')}, torch {header.get('torch')}, "
+            f"device {header.get('device')}, seed {header.get('seed')}, "
+            f"git {header.get('git_commit') or '-'}"
+        )
+    lines.append(
+        f"  {len(steps)} step records"
+        + (f", {summary['steps']} steps in all" if summary else " (no summary: the run ended early)")
+        + (f", {amp} AMP-skipped steps" if amp else "")
+    )
+    if steps:
+        oh = [s.get("overhead_ms") or 0.0 for s in steps]
+        gn = [s["global"].get("grad_norm") for s in steps if s["global"].get("grad_norm")]
+        lines.append(
+            f"  sanitizer overhead: {sum(oh) / len(oh):.3f} ms per recorded step (max {max(oh):.3f})"
+        )
+        if gn:
+            lines.append(f"  global grad norm: first {gn[0]:.4g}, last {gn[-1]:.4g}, "
+                         f"max {max(gn):.4g}")
+    counts = summary.get("findings", {}) if summary else {}
+    if findings:
+        lines.append(f"  {len(findings)} distinct finding(s):")
+        for f in findings:
+            n = counts.get(f["kind"])
+            lines.append(f"    [{f['severity']}] {f['message']}" + (f" (kind total {n})" if n else ""))
+    else:
+        lines.append("  no findings")
+    if png:
+        _plot(steps, png)
+        lines.append(f"  plot written to {png}")
+    return "\n".join(lines)
+
+
+def _plot(steps: list, png: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TraceError("--png needs matplotlib: pip install matplotlib") from None
+    xs = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for key in ("grad_norm", "param_norm", "update_norm"):
+        ys = [s["global"].get(key) for s in steps]
+        ax.plot(xs, [float("nan") if y is None else y for y in ys], label=key)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+
+
+def diff(path_a: str, path_b: str) -> str:
+    """The first step and tensor where two runs' traces differ (by fingerprint)."""
+    def steps(path):
+        return {r["step"]: r for r in read_trace(path) if r["type"] == "step"}
+
+    a, b = steps(path_a), steps(path_b)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return "no step recorded in both traces"
+    for st in common:
+        ta, tb = a[st].get("tensors", {}), b[st].get("tensors", {})
+        if not ta or not tb:
+            if a[st]["global"] != b[st]["global"]:
+                return f"runs diverge at step {st} (global statistics differ; trace per-tensor " \
+                       "statistics with trace_tensors='all' to name the tensor)"
+            continue
+        for name in sorted(set(ta) | set(tb)):
+            if name not in ta or name not in tb:
+                return f"runs diverge at step {st}: tensor {name} is in only one trace"
+            for part in ("grad", "param"):
+                ha = ta[name].get(part, {}).get("hash")
+                hb = tb[name].get(part, {}).get("hash")
+                if ha != hb:
+                    return (f"runs diverge at step {st}: {name}{'.grad' if part == 'grad' else ''}"
+                            f" differs (hash {ha} vs {hb})")
+    return f"no difference in {len(common)} common steps (steps {common[0]}..{common[-1]})"
