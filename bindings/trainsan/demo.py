@@ -29,7 +29,7 @@ BUGS = {
     "eval_mode": "model.eval() for validation, model.train() forgotten afterwards",
     "duplicate_batch": "the loop re-reads the first batch: next(iter(loader)) inside the loop",
     "grad_explosion": "the loss is multiplied by 1e6 from the third epoch on",
-    "update_ratio": "the learning rate is 1e-13 instead of 1e-1",
+    "update_ratio": "the learning rate is 10 instead of 0.1 (updates as large as the weights)",
 }
 
 
@@ -72,15 +72,15 @@ def train(bug: str | None, epochs: int, trace: str) -> trainsan.Sanitizer:
     xv, yv, xt, yt = x[:n_val], y[:n_val], x[n_val:], y[n_val:]
     torch.manual_seed(0)
     model = Net(bug)
-    lr = 1e-13 if bug == "update_ratio" else 0.1
+    lr = 10.0 if bug == "update_ratio" else 0.1
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if bug == "param_not_in_optimizer":
         model.extra = torch.nn.Linear(10, 10)
     san = trainsan.attach(model, opt, policy="raise", trace=trace)
     print(f"training a {sum(p.numel() for p in model.parameters())}-parameter MLP on "
           f"{len(xt)} digits (validation {n_val}), {epochs} epochs, trace -> {trace}")
+    model.train()
     for epoch in range(epochs):
-        model.train()
         total, count = 0.0, 0
         for xb, yb in _batches(xt, yt, 64, bug):
             if bug != "stale_grad":
