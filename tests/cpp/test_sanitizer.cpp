@@ -5,7 +5,7 @@
 #include <fstream>
 #include <string>
 
-#include "trainsan/sanitizer.h"
+#include "trainsan/trainsan.h"
 
 namespace {
 
