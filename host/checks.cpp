@@ -152,6 +152,8 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
 
   // --- numeric checks on the pass results ---
   double grad_sq = 0.0, param_sq = 0.0, upd_sq = 0.0;
+  double pre_sq = 0.0;     // ‖θ‖² before the step, over the parameters with an update
+  bool pre_known = true;
   int64_t changed = 0;
   bool any_update = false;
   bool any_nonfinite_grad = false;
@@ -204,6 +206,15 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
       any_update = true;
       upd_sq += pr.update->l2 * pr.update->l2;
       changed += pr.update->changed;
+      const double pre = i < prev_param_l2.size() ? prev_param_l2[i] : std::nan("");
+      if (std::isfinite(pre)) {
+        pre_sq += pre * pre;
+      } else {
+        pre_known = false;
+      }
+    }
+    if (i < prev_param_l2.size()) {
+      prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
     }
     if (fp16_in_use && pr.stats.fp16_overflow > 0) {
       emit("fp16_overflow", name(k),
@@ -220,7 +231,7 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
     const bool jump = warm && grad_norm > opts.grad_explosion_factor * grad_norm_ema;
     const bool over = opts.grad_explosion_limit > 0.0 && grad_norm > opts.grad_explosion_limit;
     if (jump || over) {
-      emit("grad_explosion", name(top_grad),
+      emit("grad_explosion", "",
            "the global gradient norm is " + fmt(grad_norm) +
                (jump ? ", " + fmt(grad_norm / grad_norm_ema) + "x its running average " +
                            fmt(grad_norm_ema)
@@ -236,7 +247,13 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   }
   const double param_norm = std::sqrt(param_sq);
   const double upd_norm = std::sqrt(upd_sq);
-  const double ratio = param_norm > 0.0 ? upd_norm / param_norm : 0.0;
+  // The update ratio is against the parameters *before* the step (cs231n's update/weight
+  // ratio): against ‖θ_after‖ it could never exceed ~1 once updates dominate the weights
+  // (‖Δθ‖ <= ‖θ_after‖ + ‖θ_before‖), so update_ratio_high = 1 would be out of reach. Falls back
+  // to the norm after the step where the norm before is unknown.
+  const double pre_norm = std::sqrt(pre_sq);
+  const double ratio_denom = pre_known && pre_norm > 0.0 ? pre_norm : param_norm;
+  const double ratio = ratio_denom > 0.0 ? upd_norm / ratio_denom : 0.0;
   if (p.manual) manual_prev_changed = changed > 0;
   if (any_update && !p.manual && !p.lr_zero && grad_sq > 0.0 && changed == 0) {
     emit("skipped_step", "",
@@ -245,12 +262,12 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
          "was replaced or moved?), or its learning rate underflows",
          0.0);
   }
-  if (any_update && !p.lr_zero && param_norm > 0.0 && grad_sq > 0.0) {
+  if (any_update && !p.lr_zero && ratio_denom > 0.0 && grad_sq > 0.0) {
     const bool outside = ratio < opts.update_ratio_low || ratio > opts.update_ratio_high;
     update_ratio_out = outside ? update_ratio_out + 1 : 0;
     if (outside && update_ratio_out >= opts.update_ratio_steps) {
       emit("update_ratio", "",
-           "the update ratio ||Δθ||/||θ|| has been " + fmt(ratio) + " (outside [" +
+           "the update ratio ||Δθ||/||θ|| (θ before the step) has been " + fmt(ratio) + " (outside [" +
                fmt(opts.update_ratio_low) + ", " + fmt(opts.update_ratio_high) + "]) for " +
                std::to_string(update_ratio_out) + " steps — the learning rate is far too " +
                (ratio > opts.update_ratio_high ? "high" : "low") +
@@ -259,14 +276,21 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
     }
   }
   if (!p.eval_modules.empty() && !p.manual) {
-    emit("eval_mode", p.eval_modules.front(),
-         p.eval_modules.front() + (p.eval_modules.size() > 1
-                                       ? " (and " + std::to_string(p.eval_modules.size() - 1) +
-                                             " other modules)"
-                                       : std::string()) +
-             " ran in eval mode during a training step — Dropout/BatchNorm behave as at inference; "
-             "call model.train() after validation",
-         std::nullopt);
+    // Entries are "name:Type" (Python) or "name".
+    const std::string& first = p.eval_modules.front();
+    const size_t colon = first.rfind(':');
+    const std::string mod = first.substr(0, colon);
+    const std::string type = colon == std::string::npos ? "" : " (" + first.substr(colon + 1) + ")";
+    const std::string others =
+        p.eval_modules.size() > 1
+            ? " and " + std::to_string(p.eval_modules.size() - 1) + " other module(s)"
+            : std::string();
+    emit("eval_mode", mod,
+         "module '" + mod + "'" + type + others +
+             " ran in eval mode during a training step — Dropout/BatchNorm behave as at "
+             "inference and BatchNorm statistics stop updating; call model.train() after "
+             "validation",
+         static_cast<double>(p.eval_modules.size()));
   }
 
   // --- last_stats and the trace ---

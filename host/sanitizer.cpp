@@ -24,6 +24,16 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// The same tensor viewed as unsigned-width integers, for bitwise comparison.
+at::Tensor as_bits(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 8: return t.view(at::kLong);
+    case 4: return t.view(at::kInt);
+    case 2: return t.view(at::kShort);
+    default: return t.view(at::kByte);
+  }
+}
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -156,6 +166,27 @@ SanitizerImpl::SanitizerImpl(std::vector<ParamInfo> ps, Options o, std::string h
       }
     }
   }
+  prev_param_l2.assign(params.size(), std::nan(""));
+  if (opts.track_updates) {
+    // Norms before the first step, for the first update ratio: one fused pass per device.
+    std::map<std::pair<int, int>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Device d = params[i].param.device();
+      groups[{static_cast<int>(d.type()), d.index()}].push_back(i);
+    }
+    for (const auto& [dev, idx] : groups) {
+      std::vector<at::Tensor> ts;
+      for (const size_t i : idx) ts.push_back(params[i].param.detach());
+      try {
+        const std::vector<TensorStats> st = unpack_stats(tensor_stats_packed(ts));
+        for (size_t j = 0; j < idx.size(); ++j) {
+          if (st[j].nonfinite() == 0) prev_param_l2[idx[j]] = st[j].l2;
+        }
+      } catch (const c10::Error&) {
+        // unsupported dtype: the first ratio of these parameters stays unknown
+      }
+    }
+  }
 }
 
 SanitizerImpl::~SanitizerImpl() {
@@ -214,6 +245,12 @@ void SanitizerImpl::on_grad_accumulated(size_t i) {
     if (!onto_last && !onto_consumed) {
       s.step_since_clear = false;
     }
+  }
+  if (!onto_last && !onto_consumed) {
+    // A fresh .grad: whatever was accumulated onto a consumed gradient before has been cleared
+    // (zero_grad / set to None) without a step using it, so it can no longer be stale.
+    s.stale = false;
+    s.accumulated = false;
   }
   s.produced_since_clear = true;
   s.got_grad = true;
@@ -348,9 +385,9 @@ std::vector<Finding> SanitizerImpl::on_loss(const at::Tensor& loss) {
     const TensorStats s = unpack_stats(copy.host)[0];
     if (s.nonfinite() > 0) {
       append(out, add("nonfinite_loss", "",
-                      "the loss holds " + std::to_string(s.nan) + " NaN and " +
-                          std::to_string(s.posinf + s.neginf) +
-                          " ±Inf values — check the model outputs and the loss inputs (log of 0, "
+                      "the loss holds " + std::to_string(s.nan) + " NaN, " +
+                          std::to_string(s.posinf) + " +Inf and " + std::to_string(s.neginf) +
+                          " -Inf values of " + std::to_string(s.numel) + " — check the model outputs and the loss inputs (log of 0, "
                           "division by 0, too large a learning rate in the previous step)",
                       static_cast<double>(s.nonfinite())));
     }
@@ -362,9 +399,49 @@ std::vector<Finding> SanitizerImpl::on_loss(const at::Tensor& loss) {
   return out;
 }
 
-void SanitizerImpl::on_step_begin(int64_t opt) {
-  const std::lock_guard<std::mutex> lock(mu);
-  in_step = true;
+std::vector<Finding> SanitizerImpl::on_step_begin(int64_t opt) {
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    in_step = true;
+  }
+  std::vector<Finding> out;
+  if (!opts.enabled("update_outside_step") || snapshots.empty() || closed) return out;
+  // Opt-in: one comparison per parameter against the snapshot of the previous step's end, and
+  // one read of the flags (a device sync on GPU) — hence off by default.
+  const auto t0 = Clock::now();
+  std::vector<size_t> idx;
+  std::vector<at::Tensor> flags;
+  {
+    const at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (opt >= 0 && params[i].opt != opt) continue;
+      const at::Tensor& snap = snapshots[i];
+      const at::Tensor& prm = params[i].param;
+      if (!snap.defined() || snap.sizes() != prm.sizes() || snap.device() != prm.device() ||
+          snap.scalar_type() != prm.scalar_type() || step == 0) {
+        continue;
+      }
+      idx.push_back(i);
+      // Bitwise comparison (NaN == NaN, -0 != +0): any changed element counts.
+      flags.push_back(at::ne(as_bits(prm.detach()), as_bits(snap)).any());
+    }
+  }
+  if (!flags.empty()) {
+    const at::Tensor changed = at::stack(flags).to(at::kCPU);
+    const bool* c = changed.const_data_ptr<bool>();
+    for (size_t k = 0; k < idx.size(); ++k) {
+      if (!c[k]) continue;
+      const std::string& n = params[idx[k]].name;
+      append(out, add("update_outside_step", n,
+                      n + " changed between the previous optimizer step and this one without a "
+                          "step — a manual in-place update (.data, copy_, add_ under no_grad), a "
+                          "load_state_dict, or another optimizer writing it",
+                      std::nullopt));
+    }
+  }
+  overhead_s += seconds_since(t0);
+  step_overhead_s += seconds_since(t0);
+  return out;
 }
 
 void SanitizerImpl::on_amp_skip(int64_t opt) {
@@ -419,12 +496,14 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
     grad_since_forward = false;
     for (size_t i = 0; i < params.size(); ++i) {
       GradState& s = grad[i];
-      if (!manual && opt >= 0 && params[i].opt != opt) continue;
+      // A step covers its optimizer's parameters and those in no optimizer (param_not_in_optimizer).
+      const bool orphan = params[i].opt < 0;
+      if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
       p->indices.push_back(i);
       p->observed.push_back(s);
       // This step consumes the gradient as it is now.
       const at::Tensor& g = params[i].param.grad();
-      if (!manual) {
+      if (!manual && !orphan) {
         if (g.defined()) {
           s.consumed = WeakImpl(g);
           s.consumed_version = g._version();
@@ -569,6 +648,11 @@ Sanitizer::~Sanitizer() {
 }
 
 void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs) {
+  apply_policy(impl_->opts, impl_->on_step_begin(-1));
+  {
+    const std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->in_step = false;  // C++: begin_step precedes the forward, not the optimizer step
+  }
   apply_policy(impl_->opts, impl_->on_forward(at::GradMode::is_enabled(), true, {}, inputs, false));
 }
 

@@ -98,7 +98,7 @@ struct SanitizerImpl {
                                   const std::vector<std::string>& eval_modules,
                                   const std::vector<at::Tensor>& inputs, bool fp16_autocast);
   std::vector<Finding> on_loss(const at::Tensor& loss);
-  void on_step_begin(int64_t opt);
+  std::vector<Finding> on_step_begin(int64_t opt);
   std::vector<Finding> on_step_end(int64_t opt, bool lr_zero, double extra_overhead_s);
   std::vector<Finding> on_manual_boundary(double extra_overhead_s);
   void on_amp_skip(int64_t opt);
@@ -128,6 +128,9 @@ struct SanitizerImpl {
   std::shared_ptr<SanitizerImpl*> self_token;  // hooks hold it weakly
 
   std::vector<at::Tensor> snapshots;  // previous parameter values (track_updates)
+  // ‖θ‖ of each parameter as of its previous pass (at attach before the first): the denominator
+  // of the update ratio, which must be the norm *before* the step (NaN where unknown).
+  std::vector<double> prev_param_l2;
   std::unique_ptr<PendingPass> pending;  // GPU: checked one step later unless sync
   std::map<std::string, TensorStats> last;
 

@@ -91,7 +91,8 @@ TORCH_LIBRARY(trainsan, m) {
                  h->impl->on_forward(grad_enabled, training, eval_modules, inputs, fp16));
            })
       .def("loss", [](const H& h, at::Tensor loss) { return to_tuples(h->impl->on_loss(loss)); })
-      .def("step_begin", [](const H& h, int64_t opt) { h->impl->on_step_begin(opt); })
+      .def("step_begin",
+           [](const H& h, int64_t opt) { return to_tuples(h->impl->on_step_begin(opt)); })
       .def("step_end",
            [](const H& h, int64_t opt, bool lr_zero, double extra_s) {
              return to_tuples(h->impl->on_step_end(opt, lr_zero, extra_s));
@@ -143,8 +144,9 @@ TORCH_LIBRARY_IMPL(trainsan, Autograd, m) { m.impl("tensor_stats", &tensor_stats
 TORCH_LIBRARY_IMPL(trainsan, Meta, m) { m.impl("tensor_stats", &tensor_stats_meta); }
 
 // Calls without a backend kernel: an empty list (no tensor, so no dispatch key) gets its [0, 8]
-// and [0, 5] CPU results, and tensors of other backends (sparse, quantized, nested, ...) get the
-// host layer's error naming the element instead of the dispatcher's "could not run".
+// and [0, 5] CPU results, and sparse or quantized tensors get the host layer's error naming the
+// element instead of the dispatcher's "could not run" (nested tensors are not covered by this
+// alias; the Python wrapper names them).
 TORCH_LIBRARY_IMPL(trainsan, CompositeExplicitAutograd, m) {
   m.impl("tensor_stats", &tensor_stats_op);
 }

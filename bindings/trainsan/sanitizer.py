@@ -318,7 +318,9 @@ class Sanitizer:
         training = module.training
         if self._manual and grad_enabled and training:
             self._apply(self._handle.manual_boundary(self._take_overhead()))
-        eval_modules = [n or "<model>" for n, m in self._sensitive if not m.training]
+        eval_modules = [
+            f"{n or '<model>'}:{type(m).__name__}" for n, m in self._sensitive if not m.training
+        ]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         fp16 = any(
             torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
@@ -332,7 +334,7 @@ class Sanitizer:
     def _make_pre_step(self, k: int):
         def hook(opt, args, kwargs):
             if not self._closed:
-                self._handle.step_begin(k)
+                self._apply(self._handle.step_begin(k))
 
         return hook
 

@@ -1,16 +1,338 @@
+// The C++ API of the statistics pass on CPU: trainsan::tensor_stats, tensor_stats_packed and
+// unpack_stats against hand-computed values, the float64 reference and Note [Hash] re-implemented
+// in stats_reference.h.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "stats_reference.h"
 #include "trainsan/stats.h"
 
-TEST(TensorStats, HandComputed) {
-  auto t = torch::tensor({1.0f, -2.0f, 0.0f, std::numeric_limits<float>::quiet_NaN()});
-  auto s = trainsan::tensor_stats({t});
-  ASSERT_EQ(s.size(), 1u);
-  EXPECT_EQ(s[0].numel, 4);
-  EXPECT_EQ(s[0].nan, 1);
-  EXPECT_EQ(s[0].zero, 1);
-  EXPECT_EQ(*s[0].min, -2.0);
-  EXPECT_EQ(*s[0].max, 1.0);
-  EXPECT_EQ(s[0].sum, -1.0);
+namespace {
+
+using trainsan::TensorStats;
+using trainsan_test::all_dtypes;
+using trainsan_test::bitwise_equal;
+using trainsan_test::expect_matches;
+using trainsan_test::expect_same;
+using trainsan_test::kChunk;
+using trainsan_test::random_tensor;
+using trainsan_test::ref_hash;
+using trainsan_test::reference;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+const double kNaN = std::nan("");
+
+std::string name(at::ScalarType st) { return c10::toString(st); }
+
+TensorStats one(const at::Tensor& t) {
+  const auto s = trainsan::tensor_stats({t});
+  EXPECT_EQ(s.size(), 1u);
+  return s.at(0);
 }
+
+// --- Hand-computed ---------------------------------------------------------------------------
+
+TEST(TensorStats, HandComputedFloat32) {
+  const at::Tensor t =
+      at::tensor({1.0, -2.0, 0.0, kNaN, kInf, -kInf, -0.0, 1e-40, 7.0e4, 65504.0}, at::kFloat);
+  const TensorStats s = one(t);
+  EXPECT_EQ(s.numel, 10);
+  EXPECT_EQ(s.nan, 1);
+  EXPECT_EQ(s.posinf, 1);
+  EXPECT_EQ(s.neginf, 1);
+  EXPECT_EQ(s.nonfinite(), 3);
+  EXPECT_EQ(s.zero, 2);
+  EXPECT_EQ(s.subnormal, 1);      // 1e-40 is a float32 subnormal
+  EXPECT_EQ(s.fp16_overflow, 1);  // 7e4; 65504 itself fits fp16
+  EXPECT_EQ(s.min, -2.0);
+  EXPECT_EQ(s.max, 7.0e4);
+  EXPECT_EQ(s.absmax, 7.0e4);
+  EXPECT_EQ(s.sum, 1.0 - 2.0 + 7.0e4 + 65504.0);
+  EXPECT_EQ(s.l2, std::sqrt(1.0 + 4.0 + 4.9e9 + 65504.0 * 65504.0));
+  EXPECT_EQ(s.hash, ref_hash(t));
+}
+
+TEST(TensorStats, HandComputedIntegers) {
+  const TensorStats s = one(at::tensor({3, -70000, 0, 65504, 65505, -65505}, at::kInt));
+  EXPECT_EQ(s.numel, 6);
+  EXPECT_EQ(s.zero, 1);
+  EXPECT_EQ(s.fp16_overflow, 3);
+  EXPECT_EQ(s.nan + s.posinf + s.neginf + s.subnormal, 0);
+  EXPECT_EQ(s.min, -70000.0);
+  EXPECT_EQ(s.max, 65505.0);
+  EXPECT_EQ(s.absmax, 70000.0);
+  EXPECT_EQ(s.sum, 3.0 - 70000.0 + 65504.0);
+  EXPECT_EQ(s.l2, std::sqrt(9.0 + 4.9e9 + 65504.0 * 65504.0 + 2 * 65505.0 * 65505.0));
+
+  const TensorStats b = one(at::tensor({1, 0, 1, 1}, at::kInt).to(at::kBool));
+  EXPECT_EQ(b.zero, 1);
+  EXPECT_EQ(b.min, 0.0);
+  EXPECT_EQ(b.max, 1.0);
+  EXPECT_EQ(b.sum, 3.0);
+  EXPECT_EQ(b.l2, std::sqrt(3.0));
+}
+
+TEST(TensorStats, GoldenHashes) {
+  // Values of Note [Hash] computed independently by tests/python/stats_reference.py (numpy).
+  EXPECT_EQ(one(at::arange(10, at::kInt)).hash, 0x23dcb38094e6e53bull);
+  EXPECT_EQ(one(at::tensor({1, 0, 1}, at::kInt).to(at::kBool)).hash, 0x812d6626126a48eull);
+  EXPECT_EQ(one(at::empty({0})).hash, 0x0ull);
+  at::Tensor f = at::tensor({1.0f, -0.0f, 0.0f, 2.5f});
+  f.view(at::kInt)[2].fill_(0x7fc00001);  // a NaN with a payload
+  EXPECT_EQ(one(f).hash, 0x300e624ed5ce2adeull);
+}
+
+TEST(TensorStats, SubnormalIsPerOwnDtype) {
+  // 1e-5 is normal in float32 but below fp16's smallest normal 2^-14.
+  const at::Tensor x = at::tensor(
+      {1e-5, std::ldexp(1.0, -14), std::ldexp(1.0, -24), -std::ldexp(1.0, -15)}, at::kFloat);
+  const auto s = trainsan::tensor_stats({x, x.to(at::kHalf)});
+  EXPECT_EQ(s[0].subnormal, 0);
+  EXPECT_EQ(s[1].subnormal, 3);
+  const at::Tensor b =
+      at::tensor({std::ldexp(1.0, -126), std::ldexp(1.0, -127), std::ldexp(1.0, -133)})
+          .to(at::kBFloat16);
+  const at::Tensor d = at::tensor({std::ldexp(1.0, -1022), std::ldexp(1.0, -1023), 5e-324});
+  const auto sb = trainsan::tensor_stats({b, d.to(at::kDouble)});
+  EXPECT_EQ(sb[0].subnormal, 2);
+  EXPECT_EQ(sb[1].subnormal, 2);
+  EXPECT_EQ(sb[1].min, 5e-324);
+  // Subnormals are finite values: they enter min/max/sum exactly (not flushed to zero).
+  const double h = std::ldexp(1.0, -24);  // fp16's smallest subnormal
+  const at::Tensor sub16 = at::tensor({h, 3 * h, -h}).to(at::kHalf);
+  const TensorStats s16 = one(sub16);
+  EXPECT_EQ(s16.subnormal, 3);
+  EXPECT_EQ(s16.min, -h);
+  EXPECT_EQ(s16.max, 3 * h);
+  EXPECT_EQ(s16.sum, 3 * h);
+  EXPECT_EQ(sb[0].min, std::ldexp(1.0, -133));
+}
+
+TEST(TensorStats, NoFiniteElement) {
+  for (const auto st : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}) {
+    const TensorStats s = one(at::tensor({kNaN, kInf, -kInf}, at::kDouble).to(st));
+    EXPECT_EQ(s.nan, 1) << name(st);
+    EXPECT_FALSE(s.min.has_value()) << name(st);
+    EXPECT_FALSE(s.max.has_value()) << name(st);
+    EXPECT_FALSE(s.absmax.has_value()) << name(st);
+    EXPECT_EQ(s.sum, 0.0) << name(st);
+    EXPECT_EQ(s.l2, 0.0) << name(st);
+  }
+}
+
+TEST(TensorStats, EmptyAndZeroDim) {
+  for (const auto st : all_dtypes()) {
+    for (const auto& shape : std::vector<std::vector<int64_t>>{{0}, {3, 0, 2}}) {
+      const at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
+      const TensorStats s = one(t);
+      EXPECT_EQ(s.numel, 0) << name(st);
+      EXPECT_EQ(s.zero + s.nan + s.fp16_overflow, 0) << name(st);
+      EXPECT_FALSE(s.min.has_value()) << name(st);
+      EXPECT_EQ(s.sum, 0.0) << name(st);
+      EXPECT_EQ(s.l2, 0.0) << name(st);
+      EXPECT_EQ(s.hash, ref_hash(t)) << name(st);
+    }
+    const at::Tensor scalar = at::scalar_tensor(1, at::TensorOptions().dtype(st));  // 0-d
+    const auto s = trainsan::tensor_stats({scalar, scalar.reshape({1, 1, 1})});
+    expect_matches(s[0], reference(scalar), "0-d " + name(st));
+    EXPECT_TRUE(bitwise_equal(s[0], s[1])) << name(st);
+  }
+  EXPECT_TRUE(trainsan::tensor_stats({}).empty());
+}
+
+TEST(TensorStats, SignedZeroHashesDiffer) {
+  const auto s = trainsan::tensor_stats({at::tensor({0.0}), at::tensor({-0.0})});
+  EXPECT_EQ(s[0].zero, 1);
+  EXPECT_EQ(s[1].zero, 1);
+  EXPECT_NE(s[0].hash, s[1].hash);
+}
+
+// --- Float64 reference -------------------------------------------------------------------------
+
+TEST(TensorStats, ReferenceEveryDtype) {
+  std::vector<at::Tensor> ts;
+  for (const auto st : all_dtypes()) {
+    for (const int64_t n : {int64_t{1}, int64_t{17}, kChunk - 1, kChunk + 1, 3 * kChunk + 17}) {
+      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * 31 + ts.size()));
+    }
+  }
+  const auto stats = trainsan::tensor_stats(ts);
+  ASSERT_EQ(stats.size(), ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    expect_matches(stats[i], reference(ts[i]),
+                   "tensors[" + std::to_string(i) + "] " + name(ts[i].scalar_type()));
+  }
+  // Planted specials reach every class somewhere.
+  EXPECT_GT(stats[4].nan * stats[4].posinf * stats[4].neginf * stats[4].subnormal, 0);
+}
+
+TEST(TensorStats, ManySmallTensors) {
+  std::vector<at::Tensor> ts;
+  for (int i = 0; i < 3000; ++i) {
+    const auto st = all_dtypes()[i % all_dtypes().size()];
+    at::Tensor t = random_tensor(st, 2 * (i % 23) + 1, static_cast<uint64_t>(i));
+    if (i % 3 == 1) t = t.slice(0, 0, t.numel(), 2);  // strided
+    ts.push_back(t);
+  }
+  const auto stats = trainsan::tensor_stats(ts);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    expect_matches(stats[i], reference(ts[i]), "tensors[" + std::to_string(i) + "]");
+  }
+}
+
+// --- Views ---------------------------------------------------------------------------------------
+
+TEST(TensorStats, ViewsMatchReferenceAndContiguousCopy) {
+  for (const auto st :
+       {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kShort, at::kLong, at::kBool}) {
+    const at::Tensor b = random_tensor(st, 150 * 517, 5).reshape({150, 517});
+    const at::Tensor h = random_tensor(st, 1 << 18, 6);
+    const std::vector<std::pair<std::string, at::Tensor>> views = {
+        {"transpose", b.t()},
+        {"step_slice", b.slice(0, 0, 150, 3).slice(1, 1, 517, 2)},
+        {"column", b.select(1, 7)},
+        {"misaligned", b.reshape({-1}).slice(0, 3, -5)},
+        {"permute_4d", b.reshape({6, 25, 11, 47}).permute({2, 0, 3, 1})},
+        {"six_dims", b.reshape({2, 3, 5, 5, 11, 47}).permute({5, 3, 1, 4, 2, 0})},
+        {"nine_dims", h.reshape({4, 4, 4, 4, 4, 4, 4, 4, 4}).permute({8, 7, 6, 5, 4, 3, 2, 1, 0})},
+        {"expand_rows", b.slice(0, 0, 1).expand({150, 517})},
+        {"expand_middle", b.slice(1, 0, 40).unsqueeze(1).expand({150, 3, 40})},
+        {"expand_scalar", b[7][9].expand({2 * kChunk + 1})},
+    };
+    for (const auto& [what, v] : views) {
+      const auto s = trainsan::tensor_stats({v, v.contiguous()});
+      const auto ref = reference(v);
+      expect_matches(s[0], ref, what + " " + name(st));
+      expect_same(s[0], s[1], ref.abs_sum, what + " " + name(st) + " vs contiguous");
+    }
+  }
+}
+
+TEST(TensorStats, NegativeView) {
+  // A lazily negated view (the Python op's dispatcher resolves these before the kernel runs; the
+  // C++ API sees them as they are).
+  for (const auto st : {at::kFloat, at::kHalf, at::kLong}) {
+    const at::Tensor x = random_tensor(st, 3000, 12).reshape({30, 100}).t();
+    const at::Tensor v = at::_neg_view(x);
+    ASSERT_TRUE(v.is_neg());
+    expect_matches(one(v), reference(v.resolve_neg()), "neg view " + name(st));
+  }
+}
+
+TEST(TensorStats, HashIndependentOfLayoutChangesWithContent) {
+  const at::Tensor x = random_tensor(at::kFloat, 60 * 70, 9).reshape({60, 70});
+  const at::Tensor col_major = x.t().contiguous().t();
+  ASSERT_FALSE(col_major.is_contiguous());
+  at::Tensor swapped = x.clone();
+  swapped[0][0].copy_(x[59][69]);
+  swapped[59][69].copy_(x[0][0]);
+  at::Tensor flipped = x.clone();
+  flipped.view(at::kInt)[30][31].bitwise_xor_(1);
+  const auto s = trainsan::tensor_stats({x, col_major, x.reshape({-1}), swapped, flipped});
+  EXPECT_EQ(s[0].hash, s[1].hash);
+  EXPECT_EQ(s[0].hash, s[2].hash);
+  EXPECT_NE(s[0].hash, s[3].hash);
+  EXPECT_NE(s[0].hash, s[4].hash);
+  EXPECT_EQ(s[0].hash, ref_hash(x));
+  EXPECT_EQ(s[3].hash, ref_hash(swapped));
+  EXPECT_EQ(s[4].hash, ref_hash(flipped));
+}
+
+// --- Determinism ---------------------------------------------------------------------------------
+
+TEST(TensorStats, BitwiseEqualAcrossRunsAndThreadCounts) {
+  std::vector<at::Tensor> ts;
+  for (const auto st : all_dtypes()) ts.push_back(random_tensor(st, 5 * kChunk + 99, 40));
+  ts.push_back(random_tensor(at::kFloat, 1 << 18, 41).reshape({64, 64, 64}).permute({2, 0, 1}));
+  const int saved = at::get_num_threads();
+  std::vector<std::vector<TensorStats>> runs;
+  for (const int threads : {1, 2, 3, 2}) {
+    at::set_num_threads(threads);
+    runs.push_back(trainsan::tensor_stats(ts));
+  }
+  at::set_num_threads(saved);
+  EXPECT_EQ(at::get_num_threads(), saved);
+  for (size_t r = 1; r < runs.size(); ++r) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(runs[0][i], runs[r][i])) << "run " << r << " tensors[" << i << "]";
+    }
+  }
+}
+
+// --- Packed form ---------------------------------------------------------------------------------
+
+TEST(TensorStats, PackedRoundTrip) {
+  const std::vector<at::Tensor> ts = {random_tensor(at::kFloat, 1000, 1), at::tensor({kNaN, kInf}),
+                                      at::empty({0}, at::kLong), random_tensor(at::kByte, 77, 2)};
+  const trainsan::PackedStats p = trainsan::tensor_stats_packed(ts);
+  ASSERT_EQ(p.ints.sizes(), at::IntArrayRef({4, 8}));
+  ASSERT_EQ(p.floats.sizes(), at::IntArrayRef({4, 5}));
+  EXPECT_EQ(p.ints.scalar_type(), at::kLong);
+  EXPECT_EQ(p.floats.scalar_type(), at::kDouble);
+  EXPECT_TRUE(p.ints.device().is_cpu());
+  EXPECT_TRUE(std::isnan(p.floats[1][0].item<double>()));  // no finite element: NaN, packed
+  const auto unpacked = trainsan::unpack_stats(p);
+  const auto direct = trainsan::tensor_stats(ts);
+  ASSERT_EQ(unpacked.size(), direct.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(unpacked[i], direct[i])) << i;
+    EXPECT_EQ(static_cast<uint64_t>(p.ints[i][7].item<int64_t>()), direct[i].hash);
+  }
+  const trainsan::PackedStats empty = trainsan::tensor_stats_packed({});
+  EXPECT_EQ(empty.ints.sizes(), at::IntArrayRef({0, 8}));
+  EXPECT_TRUE(trainsan::unpack_stats(empty).empty());
+  EXPECT_THROW(trainsan::unpack_stats({at::zeros({2, 3}, at::kLong), at::zeros({2, 5})}),
+               c10::ValueError);
+}
+
+TEST(TensorStats, ToString) {
+  const std::string s = one(at::tensor({kNaN, 1.0})).to_string();
+  EXPECT_NE(s.find("nan=1"), std::string::npos) << s;
+  EXPECT_NE(s.find("min=1"), std::string::npos) << s;
+  EXPECT_NE(one(at::tensor({kNaN})).to_string().find("min=None"), std::string::npos);
+}
+
+// --- Errors: the element is named, never a crash
+// --------------------------------------------------
+
+template <typename Exc>
+void expect_error_naming(const std::vector<at::Tensor>& ts, const std::string& element) {
+  for (int packed = 0; packed < 2; ++packed) {
+    try {
+      if (packed) {
+        trainsan::tensor_stats_packed(ts);
+      } else {
+        trainsan::tensor_stats(ts);
+      }
+      ADD_FAILURE() << "no exception for " << element;
+    } catch (const Exc& e) {
+      EXPECT_NE(std::string(e.what()).find(element), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong exception type for " << element << ": " << e.what();
+    }
+  }
+}
+
+TEST(TensorStats, BadInputNamesTheElement) {
+  const at::Tensor ok = at::ones({3});
+  const at::Tensor dense = at::randn({4, 4});
+  expect_error_naming<c10::ValueError>({ok, at::Tensor()}, "tensors[1]");
+  expect_error_naming<c10::ValueError>({ok, ok, dense.to_sparse()}, "tensors[2]");
+  expect_error_naming<c10::ValueError>({ok, dense.to_sparse_csr()}, "tensors[1]");
+  expect_error_naming<c10::ValueError>({at::quantize_per_tensor(dense, 0.1, 0, at::kQInt8), ok},
+                                       "tensors[0]");
+  expect_error_naming<c10::ValueError>({ok, at::empty({3}, at::device(at::kMeta))}, "tensors[1]");
+  for (const auto st : {at::kComplexFloat, at::kComplexDouble, at::kUInt16, at::kUInt32,
+                        at::kUInt64, at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    expect_error_naming<c10::TypeError>({ok, ok.to(at::kInt), at::zeros({2}, st)}, "tensors[2]");
+  }
+}
+
+}  // namespace
