@@ -227,6 +227,9 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   const double grad_norm = std::sqrt(grad_sq);
   // grad_explosion: against an exponential moving average of past finite global norms.
   if (!any_nonfinite_grad && grad_sq > 0.0) {
+    // Per optimizer: with several, each covers its own parameters.
+    double& grad_norm_ema = grad_norm_ema_of[p.opt];
+    int64_t& grad_norm_steps = grad_norm_steps_of[p.opt];
     const bool warm = grad_norm_steps >= opts.grad_explosion_warmup && grad_norm_ema > 0.0;
     const bool jump = warm && grad_norm > opts.grad_explosion_factor * grad_norm_ema;
     const bool over = opts.grad_explosion_limit > 0.0 && grad_norm > opts.grad_explosion_limit;
@@ -255,6 +258,29 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   const double ratio_denom = pre_known && pre_norm > 0.0 ? pre_norm : param_norm;
   const double ratio = ratio_denom > 0.0 ? upd_norm / ratio_denom : 0.0;
   if (p.manual) manual_prev_changed = changed > 0;
+  // skipped_step, cleared before the step: every gradient produced since the previous step of
+  // this optimizer was gone at the step — set to None, or zeroed in place after backward()
+  // (zero_grad() between backward() and step()). Clearing only some (selective freezing) is fine.
+  if (!p.manual && p.grad_at_step.size() == n) {
+    int64_t produced = 0, cleared = 0;
+    for (size_t k = 0; k < n; ++k) {
+      if (!p.observed[k].got_grad || params[p.indices[k]].opt < 0) continue;
+      produced += 1;
+      const bool zeroed =
+          p.grad_at_step[k] == 2 && p.grad_row[k] >= 0 &&
+          rows[static_cast<size_t>(p.grad_row[k])].stats.zero ==
+              rows[static_cast<size_t>(p.grad_row[k])].stats.numel;
+      cleared += (p.grad_at_step[k] == 1 || zeroed) ? 1 : 0;
+    }
+    if (produced > 0 && cleared == produced) {
+      emit("skipped_step", "",
+           "optimizer.step() ran after the gradients of all " + std::to_string(produced) +
+               " parameter(s) that got one since the previous step had been cleared — "
+               "zero_grad() is called between backward() and step(); call it before backward() "
+               "(or after step())",
+           static_cast<double>(produced));
+    }
+  }
   if (any_update && !p.manual && !p.lr_zero && grad_sq > 0.0 && changed == 0) {
     emit("skipped_step", "",
          "optimizer.step() ran but changed no parameter although the gradients are nonzero — "
@@ -264,12 +290,16 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   }
   if (any_update && !p.lr_zero && ratio_denom > 0.0 && grad_sq > 0.0) {
     const bool outside = ratio < opts.update_ratio_low || ratio > opts.update_ratio_high;
-    update_ratio_out = outside ? update_ratio_out + 1 : 0;
-    if (outside && update_ratio_out >= opts.update_ratio_steps) {
+    int64_t& out_steps = update_ratio_out[p.opt];
+    out_steps = outside ? out_steps + 1 : 0;
+    // One step beyond 10x the upper bound is enough: adaptive optimizers (Adam) with an absurd
+    // learning rate inflate the weights in one step, after which the ratio falls back under 1.
+    const bool extreme = ratio > 10.0 * opts.update_ratio_high;
+    if (outside && (out_steps >= opts.update_ratio_steps || extreme)) {
       emit("update_ratio", "",
            "the update ratio ||Δθ||/||θ|| (θ before the step) has been " + fmt(ratio) + " (outside [" +
                fmt(opts.update_ratio_low) + ", " + fmt(opts.update_ratio_high) + "]) for " +
-               std::to_string(update_ratio_out) + " steps — the learning rate is far too " +
+               std::to_string(out_steps) + " step(s) — the learning rate is far too " +
                (ratio > opts.update_ratio_high ? "high" : "low") +
                " for these weights (typical ratios are 1e-4..1e-2)",
            ratio);

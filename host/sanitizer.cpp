@@ -11,6 +11,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "audit.h"
 #include "nvtx.h"
 #include "sanitizer_impl.h"
 #include "stats.h"
@@ -136,6 +137,10 @@ void Options::set(const std::string& name, const std::string& value) {
     max_accumulation = std::max<int64_t>(1, as_int());
   } else if (name == "fp16_overflow_fraction") {
     fp16_overflow_fraction = as_double();
+  } else if (name == "audit_first_steps") {
+    audit_first_steps = as_int();
+  } else if (name == "audit_every") {
+    audit_every = as_int();
   } else if (name.rfind("check.", 0) == 0) {
     checks[name.substr(6)] = as_bool();
   } else {
@@ -150,6 +155,7 @@ void Options::set(const std::string& name, const std::string& value) {
 SanitizerImpl::SanitizerImpl(std::vector<ParamInfo> ps, Options o, std::string header_json)
     : params(std::move(ps)), opts(std::move(o)) {
   grad.resize(params.size());
+  audit = std::make_unique<OpAudit>(*this);
   for (const auto& p : params) have_optimizer = have_optimizer || p.opt >= 0;
   if (!opts.trace.empty()) {
     trace.open(opts.trace, std::ios::out | std::ios::trunc);
@@ -225,6 +231,7 @@ void SanitizerImpl::remove_hooks() {
 }
 
 void SanitizerImpl::on_grad_accumulated(size_t i) {
+  audit->stop();  // backward has started: the op audit covers forward and loss only
   const at::Tensor& g = params[i].param.grad();
   if (!g.defined()) return;
   const std::lock_guard<std::mutex> lock(mu);
@@ -240,7 +247,12 @@ void SanitizerImpl::on_grad_accumulated(size_t i) {
       s.accumulated = true;
     } else if (s.produced_since_clear && !s.step_since_clear && have_optimizer &&
                params[i].opt >= 0) {
-      s.skipped = true;  // cleared (zero_grad) although no step used the previous gradient
+      // Cleared (zero_grad) although no step used the previous gradient. Once is legitimate:
+      // another model's backward (GAN) leaves gradients here that this model's zero_grad
+      // discards before its own backward. Twice in a row with no step of this parameter's
+      // optimizer in between means its steps are missing.
+      s.unused_clears += 1;
+      if (s.unused_clears >= 2) s.skipped = true;
     }
     if (!onto_last && !onto_consumed) {
       s.step_since_clear = false;
@@ -298,6 +310,7 @@ std::vector<Finding> SanitizerImpl::on_forward(bool grad_enabled, bool training,
   TRAINSAN_NVTX_RANGE("trainsan/forward");
   std::vector<Finding> out;
   if (closed || in_step) return out;
+  append(out, audit->take());
   if (!grad_enabled && training) {
     append(out, add("no_grad_leak", "",
                     "the model's forward ran with gradients disabled (torch.no_grad / "
@@ -338,6 +351,7 @@ std::vector<Finding> SanitizerImpl::on_forward(bool grad_enabled, bool training,
   }
   overhead_s += seconds_since(t0);
   step_overhead_s += seconds_since(t0);
+  if (grad_enabled && training) audit->begin_forward();  // last: TrainSan's own ops stay out
   return out;
 }
 
@@ -377,6 +391,7 @@ std::vector<Finding> SanitizerImpl::check_between_steps() {
 std::vector<Finding> SanitizerImpl::on_loss(const at::Tensor& loss) {
   const auto t0 = Clock::now();
   std::vector<Finding> out;
+  append(out, audit->take());
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   host::check_tensors({loss}, "watch_loss");
   host::HostCopy copy = host::start_host_copy(tensor_stats_packed({loss.detach()}));
@@ -405,6 +420,7 @@ std::vector<Finding> SanitizerImpl::on_step_begin(int64_t opt) {
     in_step = true;
   }
   std::vector<Finding> out;
+  append(out, audit->take());
   if (!opts.enabled("update_outside_step") || snapshots.empty() || closed) return out;
   // Opt-in: one comparison per parameter against the snapshot of the previous step's end, and
   // one read of the flags (a device sync on GPU) — hence off by default.
@@ -450,6 +466,7 @@ void SanitizerImpl::on_amp_skip(int64_t opt) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (opt < 0 || params[i].opt == opt) {
         grad[i].step_since_clear = true;  // the scaler consumed the gradient, on purpose
+        grad[i].unused_clears = 0;
         grad[i].got_grad = false;
       }
     }
@@ -483,8 +500,13 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
   TRAINSAN_NVTX_RANGE("trainsan/step");
   std::vector<Finding> out;
   if (closed) return out;
+  append(out, audit->step_end());
   auto p = std::make_unique<PendingPass>();
-  p->step = step;
+  // With several optimizers, each steps once per iteration: the step number is the count of
+  // the stepping optimizer's steps, and `step` (iterations) the largest such count.
+  int64_t& opt_count = opt_steps[manual ? -1 : opt];
+  p->step = opt_count;
+  opt_count += 1;
   p->opt = opt;
   p->lr_zero = lr_zero;
   p->manual = manual;
@@ -503,12 +525,17 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
       p->observed.push_back(s);
       // This step consumes the gradient as it is now.
       const at::Tensor& g = params[i].param.grad();
+      p->grad_at_step.push_back(
+          !g.defined() ? 1
+          : (s.last.get() == g.unsafeGetTensorImpl() && g._version() == s.last_version) ? 0
+                                                                                         : 2);
       if (!manual && !orphan) {
         if (g.defined()) {
           s.consumed = WeakImpl(g);
           s.consumed_version = g._version();
         }
         s.step_since_clear = true;
+        s.unused_clears = 0;
       }
       s.got_grad = false;
       s.stale = false;
@@ -537,7 +564,17 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
     p->param_row.assign(p->indices.size(), -1);
     for (size_t k = 0; k < p->indices.size(); ++k) {
       const at::Tensor& g = params[p->indices[k]].param.grad();
-      if (g.defined() && g.layout() == at::kStrided) p->grad_row[k] = push(g, at::Tensor());
+      bool untouched = true;
+      if (manual && g.defined()) {
+        // Manual loops clear gradients (zero_ / None) after their update and before the next
+        // forward, where this pass runs: only a gradient as the backward left it is checked.
+        const std::lock_guard<std::mutex> lock(mu);
+        const GradState& s = grad[p->indices[k]];
+        untouched = s.last.get() == g.unsafeGetTensorImpl() && s.last_version == g._version();
+      }
+      if (g.defined() && g.layout() == at::kStrided && untouched) {
+        p->grad_row[k] = push(g, at::Tensor());
+      }
     }
     for (size_t k = 0; k < p->indices.size(); ++k) {
       const size_t i = p->indices[k];
@@ -569,7 +606,7 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
   pending_inputs.reset();
   p->losses = std::move(pending_losses);
   pending_losses.clear();
-  step += 1;
+  step = std::max(step, opt_count);
   current_eval_modules.clear();
 
   // Check: the previous pass (GPU, lagged by one step) or this one (CPU, or sync).
@@ -592,6 +629,7 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
 std::vector<Finding> SanitizerImpl::close() {
   std::vector<Finding> out;
   if (closed) return out;
+  append(out, audit->close());
   if (pending) append(out, check_pass(*pending));
   pending.reset();
   remove_hooks();

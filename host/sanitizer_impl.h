@@ -26,6 +26,8 @@ struct Node;
 
 namespace trainsan {
 
+class OpAudit;
+
 struct ParamInfo {
   std::string name;
   at::Tensor param;
@@ -59,6 +61,7 @@ struct GradState {
   WeakImpl consumed;
   uint32_t consumed_version = 0;
   int64_t steps_without_grad = 0;
+  int64_t unused_clears = 0;  // clears without a step of its optimizer since the last step
   int64_t vanishing_steps = 0;
 };
 
@@ -77,6 +80,9 @@ struct PendingPass {
   std::vector<std::pair<size_t, int64_t>> row_map;  // global row -> (copy, row in copy)
   std::vector<GradState> observed;  // GradState of each entry at launch
   std::vector<bool> got_grad_any;   // per entry
+  // Per entry, at the step: 0 = .grad is what the last backward left, 1 = .grad is None,
+  // 2 = .grad was modified (or replaced) after the last backward (clipping, unscaling, zeroing).
+  std::vector<uint8_t> grad_at_step;
   std::vector<std::string> eval_modules;
   std::optional<host::HostCopy> inputs;  // hash of the step's first training inputs
   std::vector<host::HostCopy> losses;
@@ -135,9 +141,10 @@ struct SanitizerImpl {
   std::map<std::string, TensorStats> last;
 
   // grad explosion baseline (EMA of the global gradient norm)
-  double grad_norm_ema = 0.0;
-  int64_t grad_norm_steps = 0;
-  int64_t update_ratio_out = 0;
+  std::map<int64_t, double> grad_norm_ema_of;  // per optimizer
+  std::map<int64_t, int64_t> grad_norm_steps_of;
+  std::map<int64_t, int64_t> update_ratio_out;  // per optimizer: consecutive steps outside
+  std::map<int64_t, int64_t> opt_steps;         // steps per optimizer (-1: C++ API / manual)
   bool manual_prev_changed = false;  // manual mode: the previous pass saw a parameter change
   std::optional<uint64_t> last_input_hash;
   int64_t input_hash_step = -1;
@@ -151,6 +158,10 @@ struct SanitizerImpl {
   std::ofstream trace;
   double overhead_s = 0.0;       // total measured
   double step_overhead_s = 0.0;  // since the last step record
+
+  // Op audits (audit.h). Last member: destroyed first, so the observer never sees a half-gone
+  // sanitizer.
+  std::unique_ptr<OpAudit> audit;
 
   // --- helpers ---
   std::vector<Finding> add(const std::string& kind, const std::string& tensor,

@@ -157,7 +157,37 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
       owner[c] = static_cast<int32_t>(t);
     }
   }
-  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+  // Split the chunks among the threads by estimated cost rather than by count: at::parallel_for
+  // hands each thread a contiguous range, and a step pass lists all gradients (statistics only)
+  // before all parameters (statistics + update against the snapshot, about twice the work), so an
+  // even split by count leaves one thread with all the updates. One task per thread, each a
+  // contiguous run of chunks of about equal cost; which thread computes a chunk cannot change
+  // its record, so the result is the same bits as before.
+  const int64_t num_tasks =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_chunks));
+  std::vector<int64_t> task_begin(static_cast<size_t>(num_tasks) + 1, num_chunks);
+  task_begin[0] = 0;
+  if (num_tasks > 1) {
+    std::vector<int64_t> cost(static_cast<size_t>(num_chunks) + 1, 0);  // prefix sums
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const kn::TensorDesc& d = w.descs[owner[c]];
+      const int64_t start = (c - w.chunk_begin[owner[c]]) * kn::kChunkSize;
+      const int64_t count = std::min(kn::kChunkSize, d.numel - start);
+      // Relative cost per element: 4 for the statistics, +5 with an update, +2 to gather a
+      // strided chunk; plus a fixed cost per chunk.
+      const int64_t per = 4 + (d.snapshot != nullptr ? 5 : 0) + (d.contiguous ? 0 : 2);
+      cost[c + 1] = cost[c] + count * per + 4096;
+    }
+    int64_t c = 0;
+    for (int64_t t = 1; t < num_tasks; ++t) {
+      const int64_t target = cost[num_chunks] / num_tasks * t;
+      while (c < num_chunks && cost[c] < target) ++c;
+      task_begin[t] = c;
+    }
+  }
+  at::parallel_for(0, num_tasks, 1, [&](int64_t task_lo, int64_t task_hi) {
+    const int64_t begin = task_begin[task_lo];
+    const int64_t end = task_begin[task_hi];
     std::vector<char> scratch;
     for (int64_t c = begin; c < end; ++c) {
       const kn::TensorDesc& d = w.descs[owner[c]];

@@ -5,6 +5,7 @@
 // picks the best one the CPU supports (target_clones).
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "check.h"
 #include "stats.cuh"
@@ -64,10 +65,11 @@ constexpr int64_t kBlock = 1024;
 // Note [Ordinary elements]
 // An element is ordinary when it is zero, or normal and finite with |x| <= 65504: it is then not
 // NaN/±Inf/subnormal/fp16-overflow, so classify() can only flag `zero`, and its finite-masked
-// value is itself. kOrdinaryMax is the bit pattern (sign cleared) of the largest value <= 65504 of
-// the dtype. The CPU loop tests each block of kBlock elements and, when all are ordinary, runs a
-// body without the other five classes and the finite masks; per lane it accumulates the same
-// values in the same order, so every result has the same bits as with the full body.
+// value is itself. Ordinary<T>::kMax is the bit pattern (sign cleared) of the largest value
+// <= 65504 of the dtype. The CPU loop scans each block of kBlock elements and, when all are
+// ordinary, runs a body without the other five classes and the finite masks (and without the zero
+// count when the block has no zero); per lane it accumulates the same values in the same order,
+// so every result has the same bits as with the full body.
 template <typename T>
 struct Ordinary;
 template <>
@@ -87,19 +89,25 @@ struct Ordinary<BFloat16> {
   static constexpr uint16_t kMax = 0x477f;  // 65280; the next bfloat16 is 65536
 };
 
+enum class BlockKind { kFull, kOrdinary, kOrdinaryNoZero };
+
+// One read of a block (it stays in L1 for the body): the largest |bits|, the smallest, and the
+// smallest |bits| - 1 (zero wraps to the top, so this is the smallest nonzero |bits|, minus 1).
 template <typename T>
-inline __attribute__((always_inline)) bool all_ordinary(const T* p, int64_t n) {
+inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n) {
   using Tr = ElemTraits<T>;
   using Bits = typename Tr::Bits;
-  constexpr Bits kRange = Ordinary<T>::kMax - Tr::kMinNormalBits;
-  Bits bad = 0;
-#pragma omp simd reduction(| : bad)
+  Bits hi = 0, lo = static_cast<Bits>(~Bits{0}), lo_nonzero = static_cast<Bits>(~Bits{0});
+#pragma omp simd reduction(max : hi) reduction(min : lo, lo_nonzero)
   for (int64_t i = 0; i < n; ++i) {
     const Bits a = static_cast<Bits>(Tr::bits(p[i]) & Tr::kAbsMask);
-    // a - kMinNormalBits wraps for zero and subnormals; zero is ordinary.
-    bad |= static_cast<Bits>((a != 0) & (static_cast<Bits>(a - Tr::kMinNormalBits) > kRange));
+    const Bits a1 = static_cast<Bits>(a - 1);
+    hi = a > hi ? a : hi;
+    lo = a < lo ? a : lo;
+    lo_nonzero = a1 < lo_nonzero ? a1 : lo_nonzero;
   }
-  return bad == 0;
+  if (hi > Ordinary<T>::kMax || lo_nonzero < Tr::kMinNormalBits - 1) return BlockKind::kFull;
+  return lo == 0 ? BlockKind::kOrdinary : BlockKind::kOrdinaryNoZero;
 }
 
 // Lane-parallel form of accumulate<T>() over a contiguous run; same maths, same result per lane
@@ -126,14 +134,16 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
   for (int64_t b = 0; b < n_vec; b += kBlock) {
     const int64_t b_end = std::min(b + kBlock, n_vec);
     if constexpr (Tr::kFloating) {
-      if (all_ordinary<T>(p + b, b_end - b)) {  // Note [Ordinary elements]
+      // Note [Ordinary elements]
+      const BlockKind kind = scan_block<T>(p + b, b_end - b);
+      auto ordinary_body = [&](auto count_zero) {
         for (int64_t i = b; i < b_end; i += kLanes) {
 #pragma omp simd
           for (int l = 0; l < kLanes; ++l) {
             const T v = p[i + l];
             const auto bits = Tr::bits(v);
             const Acc x = Tr::value(v);
-            c_zero[l] += (bits & Tr::kAbsMask) == 0;
+            if constexpr (decltype(count_zero)::value) c_zero[l] += (bits & Tr::kAbsMask) == 0;
             mn[l] = x < mn[l] ? x : mn[l];
             mx[l] = x > mx[l] ? x : mx[l];
             const double d = static_cast<double>(x);
@@ -143,6 +153,13 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
             ik[l] += kStep;
           }
         }
+      };
+      if (kind == BlockKind::kOrdinaryNoZero) {
+        ordinary_body(std::false_type{});
+        continue;
+      }
+      if (kind == BlockKind::kOrdinary) {
+        ordinary_body(std::true_type{});
         continue;
       }
     }

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "audit.h"
 #include "sanitizer_impl.h"
 #include "stats_internal.h"
 #include "trainsan/stats.h"
@@ -105,6 +106,13 @@ TORCH_LIBRARY(trainsan, m) {
       .def("close", [](const H& h) { return to_tuples(h->impl->close()); })
       .def("findings", [](const H& h) { return to_tuples(h->impl->findings); })
       .def("hooks_installed", [](const H& h) { return h->impl->hooks_installed(); })
+      .def("auditing", [](const H& h) { return h->impl->audit->auditing(); })
+      .def("audit_target",
+           [](const H& h, std::string op, std::optional<at::Tensor> input, at::Tensor target,
+              std::optional<int64_t> ignore_index, int64_t num_classes) {
+             return to_tuples(h->impl->audit->check_target(
+                 op, input.value_or(at::Tensor()), target, ignore_index, num_classes));
+           })
       .def("step", [](const H& h) { return h->impl->step; })
       .def("overhead_s", [](const H& h) { return h->impl->overhead_s; })
       .def("last_stats", [](const H& h) {

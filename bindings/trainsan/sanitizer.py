@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from . import _native
+from .audit import LabelGuard
 from .stats import TensorStats
 
 _native.load()
@@ -80,6 +81,8 @@ OPTIONS = {
     "update_ratio_steps": 3,
     "max_accumulation": 64,
     "fp16_overflow_fraction": 0.0,
+    "audit_first_steps": 10,
+    "audit_every": 100,
 }
 
 # Modules whose forward depends on train/eval.
@@ -258,6 +261,10 @@ class Sanitizer:
         self._optimizers = list(optimizers)
         self._policy = policy
         self._closed = False
+        # Set once this sanitizer holds a reference on the GradScaler patch: an __init__ that
+        # raises (bad trace path, bad option) is still close()d by __del__, and must not release
+        # a reference it never took (the count would go negative and AMP skips go unseen).
+        self._scaler_patched = False
         self._handles: list = []
         self._py_overhead = 0.0
         self._extra_findings: list[Finding] = []
@@ -288,6 +295,15 @@ class Sanitizer:
         self._sensitive = [
             (n, m) for n, m in model.named_modules() if isinstance(m, _MODE_SENSITIVE)
         ]
+        # sync=True with policy "raise": class-index targets are checked before the loss runs
+        # (trainsan/audit.py); otherwise the C++ op audit reports at the next event.
+        self._label_guard = (
+            LabelGuard(self._check_target)
+            if policy == "raise"
+            and str(opts.get("sync", "false")) == "true"
+            and (checks.get("label_range", True) or checks.get("batch_mismatch", True))
+            else None
+        )
         self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         for k, opt in enumerate(self._optimizers):
             self._handles.append(opt.register_step_pre_hook(self._make_pre_step(k)))
@@ -299,6 +315,7 @@ class Sanitizer:
                 if not list(m.children()):
                     self._handles.append(m.register_forward_hook(self._make_activation_hook(n)))
         _patch_scaler()
+        self._scaler_patched = True
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -327,12 +344,19 @@ class Sanitizer:
             for d in ("cuda", "cpu")
         )
         found = self._handle.forward(grad_enabled, training, eval_modules, inputs, fp16)
+        if self._label_guard is not None:
+            if grad_enabled and training and self._handle.auditing():
+                self._label_guard.push()
+            else:
+                self._label_guard.pop()
         self._py_overhead += time.perf_counter() - t0
         self._apply(found)
         return None
 
     def _make_pre_step(self, k: int):
         def hook(opt, args, kwargs):
+            if self._label_guard is not None:
+                self._label_guard.pop()
             if not self._closed:
                 self._apply(self._handle.step_begin(k))
 
@@ -382,6 +406,9 @@ class Sanitizer:
                     return
 
         return hook
+
+    def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
+        self._apply(self._handle.audit_target(op, input, target, ignore_index, num_classes))
 
     def _amp_skip(self, opt) -> None:
         if not self._closed and opt in self._optimizers:
@@ -446,6 +473,9 @@ class Sanitizer:
         if self._closed:
             return
         self._closed = True
+        guard = getattr(self, "_label_guard", None)
+        if guard is not None:
+            guard.pop()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -453,7 +483,9 @@ class Sanitizer:
             ws = _watchers.get(opt, [])
             if self in ws:
                 ws.remove(self)
-        _unpatch_scaler()
+        if self._scaler_patched:
+            self._scaler_patched = False
+            _unpatch_scaler()
         if _attached.get(self._model) is self:
             del _attached[self._model]
         self._apply(self._handle.close())

@@ -58,6 +58,10 @@ struct Options {
   int64_t update_ratio_steps = 3;       ///< consecutive steps outside the band
   int64_t max_accumulation = 64;        ///< backward passes without any optimizer step
   double fp16_overflow_fraction = 0.0;  ///< warn when more than this fraction overflows fp16
+  /// Op audits (broadcast, label_range, batch_mismatch) observe every op of the first N steps...
+  int64_t audit_first_steps = 10;
+  /// ...and then of every N-th step (0: none after the first ones).
+  int64_t audit_every = 100;
 
   /// Checks switched off (or, for the opt-in ones, on) by kind name.
   std::map<std::string, bool> checks;

@@ -1,0 +1,408 @@
+"""Bug-zoo cases of the op audits: ``broadcast``, ``label_range``, ``batch_mismatch``.
+
+Registered into the zoo (zoo.py imports this module before it builds ``BUGGY``/``CLEAN``), so
+tests/python/test_zoo.py and bench/zoo_score.py run them with the others. The clean loops use
+each broadcast that is meant — bias and scale adds, attention masks, pairwise distances written
+with singleton dims on both sides, positional and timestep encodings, label smoothing, padding
+marked with the ignore_index — and must produce no error.
+
+On a CPU a class-index loss rejects an out-of-range label itself (IndexError), so a label bug
+is loud there unless the loop swallows the error; the two label_range loops do what "robust"
+loops do, skip any batch whose loss fails, which turns the bug silent: most batches are dropped
+and the rest train on shifted labels. (On a GPU the op's device-side assert kills the process
+instead.) TrainSan sees the target before the op runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zoo
+from zoo import STEPS, GRUClassifier, SmallCNN, TinyTransformer, case, make_mlp, regression_batch
+
+# =============================================================================================
+# Buggy loops
+# =============================================================================================
+
+# --- broadcast --------------------------------------------------------------------------------
+
+
+@case("broadcast/mse_pred_n1_target_n_mlp", "broadcast", 0, "mlp", "SGD",
+      "regression head outputs [N, 1], the target is [N]: F.mse_loss broadcasts to [N, N] and "
+      "fits every prediction to the batch mean (PyTorch only warns)")
+def _b_mse(ctx):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        loss = san.watch_loss(F.mse_loss(model(x), y.squeeze(1)))
+        loss.backward()
+        opt.step()
+
+
+@case("broadcast/sample_weight_times_loss_cnn", "broadcast", 0, "cnn", "Adam",
+      "class-balancing per-sample weights [N] times the per-sample BCE [N, 1] "
+      "(reduction='none') gives an [N, N] matrix: every sample is weighted by every weight")
+def _b_weight(ctx):
+    model = SmallCNN(classes=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x = torch.randn(8, 1, 8, 8)
+        y = (x.mean((1, 2, 3)) > 0).float()[:, None]  # [N, 1]
+        w = torch.where(y[:, 0] > 0, 2.0, 1.0)  # [N]
+        opt.zero_grad()
+        per_sample = F.binary_cross_entropy_with_logits(model(x), y, reduction="none")
+        loss = san.watch_loss((per_sample * w).mean())
+        loss.backward()
+        opt.step()
+
+
+@case("broadcast/handwritten_huber_gru", "broadcast", 0, "gru", "RMSprop",
+      "hand-written Huber loss on a [N, 1] prediction and a [N] target: pred - y is [N, N]")
+def _b_huber(ctx):
+    model = GRUClassifier(classes=1)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        t = torch.randint(0, 20, (8, 8))
+        y = t.float().mean(1) / 10.0  # [N]
+        opt.zero_grad()
+        d = model(t) - y
+        loss = san.watch_loss(torch.where(d.abs() < 1, 0.5 * d**2, d.abs() - 0.5).mean())
+        loss.backward()
+        opt.step()
+
+
+@case("broadcast/bce_weight_transformer", "broadcast", 0, "transformer", "AdamW",
+      "F.binary_cross_entropy with input and target [N, 1] but a per-sample weight [N]: the "
+      "weight is expanded to [N, N] and the loss with it")
+def _b_bce_weight(ctx):
+    model = TinyTransformer(classes=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        t = torch.randint(0, 20, (8, 8))
+        y = (t[:, 0] % 2).float()[:, None]  # [N, 1]
+        w = 1.0 + (t[:, 1] % 3).float()  # [N]
+        opt.zero_grad()
+        loss = san.watch_loss(F.binary_cross_entropy(torch.sigmoid(model(t)), y, weight=w))
+        loss.backward()
+        opt.step()
+
+
+# --- label_range ------------------------------------------------------------------------------
+
+
+def _train_skipping_failures(model, opt, san, batch_fn, loss_fn):
+    """The 'robust' loop: a batch whose loss raises is skipped, silently."""
+    for step in range(STEPS):
+        x, y = batch_fn()
+        opt.zero_grad()
+        try:
+            loss = loss_fn(model(x), y)
+        except (IndexError, RuntimeError):
+            continue  # "corrupt batch"
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("label_range/one_based_labels_cnn", "label_range", 0, "cnn", "SGD+momentum",
+      "labels are 1..C (from a 1-based annotation file) for C=3 classes; the loop skips batches "
+      "whose loss fails, so it trains on the few batches without class C, on shifted labels")
+def _lr_one_based(ctx):
+    model = SmallCNN(classes=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    san = ctx.attach(model, opt)
+
+    def batch():
+        x, y = zoo.image_batch(n=8, classes=3)
+        return x, y + 1  # 1-based
+
+    _train_skipping_failures(model, opt, san, batch, F.cross_entropy)
+
+
+@case("label_range/padding_minus_one_gru_lm", "label_range", 0, "gru", "Adam",
+      "token targets padded with -1 while cross_entropy's ignore_index is the default -100; the "
+      "loop skips the batches whose loss fails")
+def _lr_padding(ctx):
+    model = zoo.TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+
+    def batch():
+        t = torch.randint(0, 20, (8, 9))
+        lengths = torch.randint(4, 10, (8,))
+        tgt = t[:, 1:].clone()
+        tgt[torch.arange(8)[:, None] >= lengths[:, None] - 1] = -1  # padding
+        return t[:, :-1], tgt
+
+    def loss_fn(logits, tgt):
+        return F.cross_entropy(logits.reshape(-1, 20), tgt.reshape(-1))
+
+    _train_skipping_failures(model, opt, san, batch, loss_fn)
+
+
+# --- batch_mismatch ---------------------------------------------------------------------------
+
+
+@case("batch_mismatch/target_unsqueeze0_mlp", "batch_mismatch", 0, "mlp", "SGD+momentum",
+      "the [N] target is made 2-D with unsqueeze(0) instead of unsqueeze(1): [1, N] against the "
+      "[N, 1] prediction")
+def _bm_unsqueeze0(ctx):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        y = y.squeeze(1)
+        opt.zero_grad()
+        loss = san.watch_loss(F.smooth_l1_loss(model(x), y.unsqueeze(0)))
+        loss.backward()
+        opt.step()
+
+
+@case("batch_mismatch/slice_typo_transformer", "batch_mismatch", 0, "transformer", "AdamW",
+      "hand-rolled mini-batching with a slicing typo, Y[i:i + 1] for Y[i:i + bs]: one target "
+      "row is broadcast over the batch")
+def _bm_slice(ctx):
+    model = TinyTransformer(classes=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    X = torch.randint(0, 20, (STEPS * 8, 8))
+    Y = F.one_hot(X[:, 0] % 4, 4).float() * 2.0 - 1.0  # regression targets [M, 4]
+    bs = 8
+    for i in range(0, len(X), bs):
+        xb, yb = X[i:i + bs], Y[i:i + 1]
+        opt.zero_grad()
+        loss = san.watch_loss(F.mse_loss(model(xb), yb))
+        loss.backward()
+        opt.step()
+
+
+# =============================================================================================
+# Clean loops: broadcasts that are meant
+# =============================================================================================
+
+
+class ScaledMLP(nn.Module):
+    """Learned per-feature scale and bias, FiLM conditioning and a scalar offset."""
+
+    def __init__(self, din=8, dh=16):
+        super().__init__()
+        self.inp = nn.Linear(din, dh)
+        self.gamma = nn.Parameter(torch.ones(dh))
+        self.beta = nn.Parameter(torch.zeros(dh))
+        self.film = nn.Linear(1, 2 * dh)
+        self.out = nn.Linear(dh, 1)
+        self.offset = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, cond):  # x [N, din], cond [N, 1]
+        h = F.relu(self.inp(x)) * self.gamma + self.beta  # [N, dh] * [dh] + [dh]
+        scale, shift = self.film(cond).chunk(2, dim=-1)  # [N, dh] each
+        h = h * (1 + scale) + shift
+        h = h * cond.sigmoid()  # [N, dh] * [N, 1]
+        return self.out(h) + self.offset
+
+
+@case("clean/bias_scale_film_sample_weights_mlp", None, None, "mlp", "Adam",
+      "per-feature scale and bias ([N, D] * [D] + [D]), FiLM, a scalar offset, and per-sample "
+      "weights shaped like the loss (w[:, None] * loss [N, 1])")
+def _c_bias_scale(ctx):
+    model = ScaledMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        cond = torch.randn(16, 1)
+        w = torch.rand(16)
+        opt.zero_grad()
+        per_sample = F.mse_loss(model(x, cond), y, reduction="none")  # [N, 1]
+        loss = san.watch_loss((w[:, None] * per_sample).mean() + 0.1 * F.l1_loss(model(x, cond), y))
+        loss.backward()
+        opt.step()
+
+
+class MaskedAttention(nn.Module):
+    """Hand-written causal self-attention with a padding mask, next to nn.MultiheadAttention."""
+
+    def __init__(self, vocab=20, d=16, heads=2, classes=3):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.mha = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, t, pad):  # t [B, T], pad [B, T] True at padding (right-padded)
+        B, T = t.shape
+        h = self.emb(t)
+        dh = h.shape[-1] // self.heads
+        q, k, v = self.qkv(h).view(B, T, 3, self.heads, dh).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(dh)  # [B, H, T, T]
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)  # [T, T]
+        additive = torch.zeros(T, T).masked_fill(causal, -1e4)  # float causal mask [T, T]
+        pad_bias = pad.float()[:, None, None, :] * -1e4  # [B, 1, 1, T]
+        bias = pad_bias + additive  # [B, 1, T, T]: rank promotion of a constant mask
+        mask = pad[:, None, None, :] | causal  # [B, 1, T, T]
+        scores = (scores + additive + bias).masked_fill(mask, -1e4)
+        a = torch.softmax(scores, -1) @ v  # [B, H, T, dh]
+        a = a.transpose(1, 2).reshape(B, T, -1)
+        m, _ = self.mha(a, a, a, key_padding_mask=pad, attn_mask=additive)
+        keep = (~pad).float()[..., None]  # [B, T, 1]
+        return self.head((m * keep).sum(1) / keep.sum(1))
+
+
+@case("clean/attention_masks_transformer", None, None, "transformer", "AdamW",
+      "causal and padding masks: scores [B,H,T,T] + mask [T,T], pad[:, None, None, :] | causal, "
+      "additive float masks, masked_fill, nn.MultiheadAttention with both masks")
+def _c_attention(ctx):
+    model = MaskedAttention()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = zoo.token_batch()
+        lengths = torch.randint(3, 9, (8,))
+        pad = torch.arange(8)[None, :] >= lengths[:, None]  # [B, T]
+        opt.zero_grad()
+        loss = san.watch_loss(F.cross_entropy(model(t, pad), y))
+        loss.backward()
+        opt.step()
+
+
+@case("clean/pairwise_distances_contrastive_mlp", None, None, "mlp", "SGD+momentum",
+      "contrastive loss over pairwise distances z[:, None] - z[None] (singleton dims on both "
+      "sides), torch.cdist, and distances to K=5 learned prototypes z[:, None] - protos")
+def _c_pairwise(ctx):
+    model = nn.ModuleDict({"enc": make_mlp(dout=4)})
+    protos = nn.Parameter(torch.randn(5, 4))
+    model.register_parameter("protos", protos)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    san = ctx.attach(model, opt)
+
+    def embed(x):
+        return model["enc"](x)
+
+    for step in range(STEPS):
+        x = torch.randn(16, 8)
+        cls = torch.randint(0, 3, (16,))
+        x = x + cls[:, None].float()
+        opt.zero_grad()
+        # the root module's pre-hook marks the training forward; ModuleDict has no forward, so
+        # call the sanitizer's hook path through a submodule-owning wrapper
+        z = embed(x)
+        d2 = ((z[:, None, :] - z[None, :, :]) ** 2).sum(-1)  # [N, N]
+        same = (cls[:, None] == cls[None, :]).float()
+        contrastive = (same * d2 + (1 - same) * F.relu(1.0 - d2)).mean()
+        dc = torch.cdist(z, z).mean()
+        to_protos = ((z[:, None, :] - protos) ** 2).sum(-1)  # [N, K]
+        loss = san.watch_loss(contrastive + 0.01 * dc + 0.01 * to_protos.min(1).values.mean())
+        loss.backward()
+        opt.step()
+
+
+class Denoiser(nn.Module):
+    """Diffusion-style denoiser with a sinusoidal timestep embedding built in forward()."""
+
+    def __init__(self, d=8, h=32, half=8):
+        super().__init__()
+        self.half = half
+        self.t_mlp = nn.Sequential(nn.Linear(2 * half, h), nn.SiLU(), nn.Linear(h, h))
+        self.inp = nn.Linear(d, h)
+        self.out = nn.Linear(h, d)
+
+    def forward(self, x, t):  # x [B, d], t [B]
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(self.half) / self.half)  # [half]
+        args = t[:, None].float() * freqs[None]  # [B, half]
+        args_implicit = t[:, None].float() * freqs  # [B, 1] * [half]: the same, one-sided
+        temb = torch.cat([torch.sin(args), torch.cos(args_implicit)], dim=-1)
+        return self.out(F.silu(self.inp(x) + self.t_mlp(temb)))
+
+
+class SinusoidalTransformer(TinyTransformer):
+    """TinyTransformer plus a sinusoidal positional encoding computed in forward()."""
+
+    def forward(self, tokens):
+        T, d = tokens.shape[1], self.emb.embedding_dim
+        pos = torch.arange(T)[:, None].float()  # [T, 1]
+        div = torch.exp(torch.arange(0, d, 2).float() * (-math.log(10000.0) / d))  # [d/2]
+        pe = torch.zeros(T, d)
+        pe[:, 0::2] = torch.sin(pos * div)  # [T, 1] * [d/2] -> [T, d/2]
+        pe[:, 1::2] = torch.cos(pos * div)
+        h = self.emb(tokens) + pe + self.pos[:, :T]  # [B, T, d] + [T, d] + [1, T, d]
+        return self.head(self.enc(h).mean(1))
+
+
+@case("clean/positional_timestep_encodings", None, None, "transformer", "AdamW + Adam",
+      "sinusoidal positional encodings (pos[:, None] * div) added to embeddings, and a "
+      "diffusion denoiser's timestep embedding t[:, None] * freqs (one- and two-sided)")
+def _c_encodings(ctx):
+    lm = SinusoidalTransformer()
+    opt_lm = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    san_lm = ctx.attach(lm, opt_lm, label="transformer")
+    den = Denoiser()
+    opt_den = torch.optim.Adam(den.parameters(), lr=1e-3)
+    san_den = ctx.attach(den, opt_den, label="denoiser")
+    alphas = torch.linspace(0.99, 0.1, 100)
+    for step in range(STEPS):
+        t, y = zoo.token_batch()
+        opt_lm.zero_grad()
+        san_lm.watch_loss(F.cross_entropy(lm(t), y)).backward()
+        opt_lm.step()
+
+        x0 = torch.randn(16, 8)
+        ts = torch.randint(0, 100, (16,))
+        a = alphas[ts][:, None]  # [B, 1]
+        noise = torch.randn_like(x0)
+        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        opt_den.zero_grad()
+        san_den.watch_loss(F.mse_loss(den(xt, ts), noise)).backward()
+        opt_den.step()
+
+
+@case("clean/label_smoothing_cnn", None, None, "cnn", "SGD+momentum",
+      "cross_entropy(label_smoothing=0.1), a hand-written smoothed target "
+      "one_hot * (1 - eps) + eps / C, and nn.NLLLoss")
+def _c_label_smoothing(ctx):
+    model = SmallCNN(classes=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    san = ctx.attach(model, opt)
+    eps, C = 0.1, 3
+    for step in range(STEPS):
+        x, y = zoo.image_batch(n=8, classes=C)
+        opt.zero_grad()
+        out = model(x)
+        logp = F.log_softmax(out, -1)
+        smooth = F.one_hot(y, C).float() * (1 - eps) + eps / C
+        hand = -(smooth * logp).sum(-1).mean()
+        loss = F.cross_entropy(out, y, label_smoothing=eps) + hand + nn.NLLLoss()(logp, y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/ignore_index_padding_gru_lm", None, None, "gru", "Adam",
+      "token targets padded with -100 (cross_entropy's default ignore_index) and, in a second "
+      "loss, with 0 and ignore_index=0; nll_loss over [B, C, T]")
+def _c_ignore_index(ctx):
+    model = zoo.TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        t = torch.randint(1, 20, (8, 9))
+        lengths = torch.randint(4, 10, (8,))
+        padded = torch.arange(8)[None, :] >= lengths[:, None] - 1  # [B, T]
+        tgt = t[:, 1:].masked_fill(padded, -100)
+        tgt0 = t[:, 1:].masked_fill(padded, 0)
+        opt.zero_grad()
+        logits = model(t[:, :-1])  # [B, T, V]
+        loss = F.cross_entropy(logits.reshape(-1, 20), tgt.reshape(-1))
+        loss = loss + F.cross_entropy(logits.transpose(1, 2), tgt0, ignore_index=0)
+        loss = loss + F.nll_loss(F.log_softmax(logits, -1).transpose(1, 2), tgt)
+        san.watch_loss(loss).backward()
+        opt.step()
