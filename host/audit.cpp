@@ -26,19 +26,22 @@ namespace trainsan {
 
 // Note [Op audit]
 // ~~~~~~~~~~~~~~~
-// What is observed: one global ATen RecordFunction callback (scope FUNCTION, with inputs), added
-// the first time any sanitizer audits and removed when the last open sanitizer closes. It is
-// disabled (at::disableCallback: the dispatcher's fast path, no boxing) except while at least one
-// sanitizer audits, i.e. from the training forward of a sampled step (Python: the root module's
-// forward pre-hook; C++: begin_step) to the first gradient hook of its backward, or to the step
-// end. Sampled steps: the first audit_first_steps steps, then every audit_every-th.
+// What is observed: one global ATen RecordFunction callback (scopes FUNCTION, with inputs, and
+// BACKWARD_FUNCTION), added the first time any sanitizer audits and removed when the last open
+// sanitizer closes. It is disabled (at::disableCallback: the dispatcher's fast path, no boxing)
+// except while at least one sanitizer audits, i.e. from the training forward of a sampled step
+// (Python: the root module's forward pre-hook; C++: begin_step) to the start of backward (the
+// first autograd node to run, seen at scope BACKWARD_FUNCTION; the gradient hooks and the step
+// end stop it too). Sampled steps: the first audit_first_steps steps, then every audit_every-th.
 //
 // Which ops count: only calls made on the thread that started the audit, with grad mode on (so
 // no_grad validation and backward are out), that are not issued from inside another op's
-// autograd kernel (autograd keys excluded in TLS: the kernel's internals are not the user's
-// code), and not issued by TrainSan itself (thread-local guard; our own ops also run with
-// RecordFunction off). Of those, a small table of names (kOps) is looked at; everything else
-// returns after one hash lookup.
+// autograd kernel (autograd keys excluded in TLS) nor from inside an audited loss or class-index
+// call (kl_div's mul, cross_entropy_loss's nll_loss: t_loss_depth) — those are the op's
+// internals, not the user's code — and not issued by TrainSan itself (thread-local guard; the
+// few ops we issue also run with RecordFunction off). Of those, a small table of names
+// (op_table) is looked at; everything else returns after one hash lookup, and elementwise ops
+// that cannot match the rule return after a look at their sizes (elementwise_candidate).
 //
 // The rules:
 // * elementwise ops (add, sub, mul, div, pow, where, ...): `broadcast` when the result has more
@@ -59,8 +62,8 @@ namespace trainsan {
 //   with the shapes the user passed (Deferred).
 // * class-index ops (cross_entropy_loss, nll_loss(_nd, 2d), multi_margin_loss, one_hot):
 //   `label_range` when a target value is outside [0, C) and is not ignore_index, checked before
-//   the op runs; `batch_mismatch` when target.size(0) != input.size(0). A target checked once is
-//   not checked again by the nested ops of the same call (LastTarget).
+//   the op runs; `batch_mismatch` when target.size(0) != input.size(0). A target the Python
+//   layer has just checked (sync mode) is not checked again by the op's callback (LastTarget).
 //
 // Findings are recorded into the sanitizer (findings, trace) from the callback, and handed to
 // the policy at the sanitizer's next event (take()): a callback cannot throw (ATen catches and
@@ -153,7 +156,7 @@ struct Deferred {
   Source src;
 };
 
-// The last class-index target checked (nested ops of one call pass the same storage).
+// The last class-index target checked (by check_target before the op, then by the op's callback).
 struct LastTarget {
   c10::Storage storage;  // held, so that a new batch at a reused address is not mistaken for it
   int64_t offset = 0;
@@ -161,6 +164,7 @@ struct LastTarget {
   int64_t version = 0;
   int64_t classes = 0;
   std::optional<int64_t> ignore;
+  int64_t batch = -1;
 };
 
 struct LabelCheck {
@@ -221,8 +225,19 @@ Registry& registry() {
 }
 
 thread_local bool t_own_ops = false;
+// Depth of audited loss and class-index calls on this thread: the ops they issue (kl_div's mul,
+// cross_entropy_loss's nll_loss_nd and nll_loss) are part of the call, not the user's code.
+thread_local int t_loss_depth = 0;
 
-// TrainSan's own ops inside the callback: not observed (nor recorded by a profiler), no autograd.
+struct InLoss : at::ObserverContext {};
+
+// A broadcast_tensors call is deferred on this thread (Deferred): elementwise ops cannot take
+// the fast path, they flush it.
+thread_local bool t_deferred_pending = false;
+
+// Inside the audit: TrainSan's own ops are not audited and need no autograd. (Where we issue ops,
+// RecordFunction is switched off as well, which also keeps them out of a user's profile; not
+// here, because toggling it rebuilds ATen's thread-local callback cache.)
 class OwnOps {
  public:
   OwnOps() : prev_(t_own_ops) { t_own_ops = true; }
@@ -232,11 +247,11 @@ class OwnOps {
 
  private:
   bool prev_;
-  at::DisableRecordFunctionGuard no_observers_;
   at::NoGradGuard no_grad_;
 };
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn);
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx);
 
 void activate(const std::shared_ptr<Core>& core) {
   Registry& r = registry();
@@ -246,7 +261,9 @@ void activate(const std::shared_ptr<Core>& core) {
   r.active.push_back(core);
   if (r.handle == at::INVALID_CALLBACK_HANDLE) {
     r.handle = at::addGlobalCallback(
-        at::RecordFunctionCallback(&on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+        at::RecordFunctionCallback(&on_op, &on_op_end)
+            .needsInputs(true)
+            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
     r.enabled = true;
   } else if (!r.enabled) {
     at::reenableCallback(r.handle);
@@ -259,6 +276,20 @@ void deactivate(const std::shared_ptr<Core>& core) {
   const std::lock_guard<std::mutex> lock(r.mu);
   r.active.erase(std::remove(r.active.begin(), r.active.end(), core), r.active.end());
   if (r.active.empty() && r.enabled) {
+    at::disableCallback(r.handle);
+    r.enabled = false;
+  }
+}
+
+// The first autograd node of a backward: every audit window ends here (the gradient hooks,
+// which also stop audits, may come much later: AccumulateGrad runs last for a parameter used
+// throughout the graph).
+void stop_all() {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& core : r.active) core->active.store(false);
+  r.active.clear();
+  if (r.enabled) {
     at::disableCallback(r.handle);
     r.enabled = false;
   }
@@ -497,6 +528,7 @@ void report_broadcast(Core& c, const std::string& op, const std::vector<Operand>
 }
 
 void flush_deferred(Core& c) {
+  t_deferred_pending = false;
   if (!c.deferred.valid) return;
   Deferred d = std::move(c.deferred);
   c.deferred = Deferred();
@@ -535,6 +567,7 @@ void on_broadcast_tensors(Core& c, const char* name, c10::ArrayRef<const c10::IV
                      ops[0].shape[0] != ops[1].shape[0];
   if (!grows && !batch) return;  // nothing a loss rule or the elementwise rule could flag
   c.deferred = Deferred{true, ops, *out, python_source()};
+  t_deferred_pending = true;
 }
 
 void on_loss(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in) {
@@ -543,6 +576,7 @@ void on_loss(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in) {
   for (size_t k = 0; k < in.size() && k < 4; ++k) collect(in[k], kRoles[k], ops);
   Deferred d = std::move(c.deferred);
   c.deferred = Deferred();
+  t_deferred_pending = false;
   if (ops.size() < 2 || ops[0].role != "input" || ops[1].role != "target") {
     if (d.valid) {
       c.deferred = std::move(d);
@@ -603,6 +637,7 @@ struct LabelStats {
 
 LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
                             std::optional<int64_t> ignore) {
+  const at::DisableRecordFunctionGuard unobserved;
   const at::Tensor t = target.to(at::kCPU).to(at::kLong).contiguous();
   const int64_t* p = t.const_data_ptr<int64_t>();
   LabelStats s;
@@ -618,6 +653,7 @@ LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
 
 at::Tensor label_flags_device(const at::Tensor& target, int64_t classes,
                               std::optional<int64_t> ignore) {
+  const at::DisableRecordFunctionGuard unobserved;
   const at::Tensor v = target.to(at::kLong).reshape({-1});
   const at::Tensor valid = ignore ? v.ne(*ignore) : at::ones_like(v, v.options().dtype(at::kBool));
   const at::Tensor bad = at::logical_and(at::logical_or(v.lt(0), v.ge(classes)), valid);
@@ -668,19 +704,24 @@ std::vector<Finding> check_class_target(Core& c, const std::string& op, const at
     classes = input.dim() >= 2 ? input.size(1) : input.size(0);
   }
   if (classes < 0) classes = std::numeric_limits<int64_t>::max();  // one_hot(num_classes=-1)
-  // The nested ops of one call (cross_entropy_loss -> nll_loss_nd -> nll_loss) see the same target.
+  // The Python sync path checks a target before the op, whose callback then sees it again.
   LastTarget& last = c.last_target;
   const bool has_storage = target.has_storage();
+  const int64_t batch = input.defined() && input.dim() >= 2 ? input.size(0) : -1;
   if (has_storage && static_cast<bool>(last.storage) &&
       last.storage.is_alias_of(target.storage()) && last.offset == target.storage_offset() &&
       last.numel == target.numel() && last.version == target._version() &&
-      last.classes == classes && last.ignore == ignore) {
+      last.classes == classes && last.ignore == ignore && last.batch == batch) {
     return out;
   }
   if (has_storage) {
-    last = LastTarget{target.storage(), target.storage_offset(),
-                      target.numel(),   target._version(),
-                      classes,          ignore};
+    last = LastTarget{target.storage(),
+                      target.storage_offset(),
+                      target.numel(),
+                      target._version(),
+                      classes,
+                      ignore,
+                      batch};
   }
   Source src;
   bool have_src = false;
@@ -769,8 +810,49 @@ void audit_op(Core& c, const OpInfo& info, const char* name, c10::ArrayRef<const
   }
 }
 
+// Could the elementwise rule fire on these inputs? The common case (equal ranks, a scalar
+// operand, no growth, nothing requiring grad) answers without a lock or an allocation.
+bool elementwise_candidate(c10::ArrayRef<const c10::IValue> in) {
+  constexpr size_t kMaxRank = 16;
+  size_t rank = 0, n = 0;
+  int64_t largest = 0;
+  int64_t first_rank = -1;
+  bool grad = false, same_rank = true;
+  for (const auto& v : in) {
+    if (!v.isTensor()) continue;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) continue;
+    const auto r = static_cast<int64_t>(t.dim());
+    if (first_rank < 0) first_rank = r;
+    same_rank = same_rank && r == first_rank;
+    rank = std::max(rank, static_cast<size_t>(r));
+    largest = std::max(largest, t.numel());
+    grad = grad || t.requires_grad();
+    n += 1;
+  }
+  if (n < 2 || same_rank || !grad) return false;
+  if (rank > kMaxRank) return true;  // the full rule decides
+  int64_t out[kMaxRank];
+  std::fill(out, out + rank, int64_t{1});
+  for (const auto& v : in) {
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    const at::IntArrayRef sizes = v.toTensor().sizes();
+    const size_t lead = rank - sizes.size();
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      if (sizes[k] != 1) out[lead + k] = sizes[k];
+    }
+  }
+  int64_t numel = 1;
+  for (size_t k = 0; k < rank; ++k) numel *= out[k];
+  return numel > largest;
+}
+
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
-  if (t_own_ops || !c10::GradMode::is_enabled()) return nullptr;
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    stop_all();
+    return nullptr;
+  }
+  if (t_own_ops || t_loss_depth > 0 || !c10::GradMode::is_enabled()) return nullptr;
   const char* name = fn.name();
   if (name == nullptr) return nullptr;
   const auto& table = op_table();
@@ -780,8 +862,16 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality)) {
     return nullptr;
   }
+  const OpClass cls = it->second.cls;
+  if (cls == OpClass::kElementwise && !t_deferred_pending && !elementwise_candidate(fn.inputs())) {
+    return nullptr;
+  }
   const std::shared_ptr<Core> core = auditor_of_this_thread();
   if (!core) return nullptr;
+  std::unique_ptr<at::ObserverContext> ctx;
+  if (cls == OpClass::kLoss || cls == OpClass::kClassIndex || cls == OpClass::kOneHot) {
+    ctx = std::make_unique<InLoss>();  // on_op_end closes it, also when the op throws
+  }
   const auto t0 = Clock::now();
   try {
     const OwnOps own;
@@ -795,9 +885,16 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     });
   }
   const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-  const std::lock_guard<std::mutex> lock(core->mu);
-  core->overhead_s += dt;
-  return nullptr;
+  {
+    const std::lock_guard<std::mutex> lock(core->mu);
+    core->overhead_s += dt;
+  }
+  if (ctx) t_loss_depth += 1;
+  return ctx;
+}
+
+void on_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* ctx) {
+  if (ctx != nullptr) t_loss_depth -= 1;
 }
 
 std::vector<Finding> read_in_flight(Core& c, std::vector<InFlight> flights) {
@@ -823,6 +920,7 @@ std::vector<Finding> ship_device_checks(Core& c, bool wait) {
   }
   if (checks.empty()) return {};
   const OwnOps own;
+  const at::DisableRecordFunctionGuard unobserved;
   std::map<std::pair<int, int>, std::vector<size_t>> by_device;
   for (size_t k = 0; k < checks.size(); ++k) {
     const at::Device d = checks[k].flags.device();

@@ -110,8 +110,8 @@ TORCH_LIBRARY(trainsan, m) {
       .def("audit_target",
            [](const H& h, std::string op, std::optional<at::Tensor> input, at::Tensor target,
               std::optional<int64_t> ignore_index, int64_t num_classes) {
-             return to_tuples(h->impl->audit->check_target(
-                 op, input.value_or(at::Tensor()), target, ignore_index, num_classes));
+             return to_tuples(h->impl->audit->check_target(op, input.value_or(at::Tensor()), target,
+                                                           ignore_index, num_classes));
            })
       .def("step", [](const H& h) { return h->impl->step; })
       .def("overhead_s", [](const H& h) { return h->impl->overhead_s; })

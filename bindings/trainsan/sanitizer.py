@@ -300,7 +300,7 @@ class Sanitizer:
         self._label_guard = (
             LabelGuard(self._check_target)
             if policy == "raise"
-            and str(opts.get("sync", "false")) == "true"
+            and opts.get("sync", "false") in ("true", "1")
             and (checks.get("label_range", True) or checks.get("batch_mismatch", True))
             else None
         )

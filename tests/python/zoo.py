@@ -1436,5 +1436,9 @@ def _c_manual_zero(ctx):
                 p.grad.zero_()
 
 
+# The op-audit cases (broadcast, label_range, batch_mismatch) live in their own module, which
+# registers them with @case; it imports this (partly initialised) module for the helpers above.
+import zoo_audit  # noqa: E402,F401
+
 BUGGY = [c for c in CASES if not c.clean]
 CLEAN = [c for c in CASES if c.clean]
