@@ -1,0 +1,521 @@
+"""Step-time overhead of TrainSan on real training loops.
+
+For each model (an MLP of 2.65M parameters, a small CNN, a small transformer) the same training
+step (zero_grad, forward, loss, backward, optimizer.step) runs under four contenders:
+
+- ``plain``: nothing attached;
+- ``trainsan``: ``trainsan.attach(model, optimizer, policy="record")``, default options;
+- ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``;
+- ``pure-python``: bench/pure_python_sanitizer.py, the same checks written with Python hooks.
+
+Each contender has its own copy of the model (same initial weights) and optimizer. Contenders
+run interleaved in rounds of ``--block`` steps (ABCD ABCD ..., the order rotating each round), so
+that load from other processes hits all of them alike; the table gives medians over all timed
+steps. Overhead is the difference of medians to ``plain``; "vs pure-Python" is the pure-Python
+overhead divided by TrainSan's. The sanitizers' own measured overhead (TrainSan's
+``san.overhead_seconds``, the baseline's ``perf_counter`` sums; median per step) is shown next
+to it.
+
+    python3 bench/bench_overhead.py [--steps N] [--quick] [--device cuda] [--breakdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trainsan  # noqa: E402
+from pure_python_sanitizer import PurePythonSanitizer  # noqa: E402
+
+GOAL_RATIO = 1.10  # trainsan step time <= 1.10 x plain
+GOAL_VS_PY = 5.0  # pure-Python overhead >= 5 x TrainSan's
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(),
+        nn.Linear(1024, 1024), nn.ReLU(),
+        nn.Linear(1024, 768), nn.ReLU(),
+        nn.Linear(768, 10),
+    )
+
+
+def make_cnn() -> nn.Module:
+    def block(cin, cout):
+        return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                nn.MaxPool2d(2)]
+
+    return nn.Sequential(
+        *block(3, 16), *block(16, 32), *block(32, 64),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10),
+    )
+
+
+class TinyTransformer(nn.Module):
+    """Causal language model: embedding, 2 encoder layers (d_model 128), linear head."""
+
+    def __init__(self, vocab=512, d_model=128, heads=4, layers=2, d_ff=256, seq=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        h = self.enc(h, mask=self.mask, is_causal=True)
+        return self.head(h)
+
+
+def make_batches(kind: str, n: int, device: torch.device, gen: torch.Generator):
+    """`n` distinct (input, target) batches, cycled so that no step repeats the previous one."""
+    out = []
+    for _ in range(n):
+        if kind == "mlp":
+            x = torch.randn(128, 784, generator=gen)
+            y = torch.randint(0, 10, (128,), generator=gen)
+        elif kind == "cnn":
+            x = torch.randn(64, 3, 32, 32, generator=gen)
+            y = torch.randint(0, 10, (64,), generator=gen)
+        else:
+            x = torch.randint(0, 512, (32, 64), generator=gen)
+            y = torch.randint(0, 512, (32, 64), generator=gen)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+MODELS = {
+    "mlp": ("MLP 784-1024-1024-768-10, batch 128", make_mlp),
+    "cnn": ("CNN 3x32x32 (3 conv+BN, 2 fc), batch 64", make_cnn),
+    "transformer": ("Transformer 2x d128 ff256, seq 64, vocab 512, batch 32", TinyTransformer),
+}
+
+
+def loss_fn(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "transformer":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(out, y)
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+# -- contenders -------------------------------------------------------------------------------
+
+
+class Contender:
+    """One model copy + optimizer + whatever is attached to it, and its step-time samples."""
+
+    def __init__(self, name, kind, model, opt_name, batches, device):
+        self.name = name
+        self.kind = kind
+        self.model = model
+        self.opt = make_optimizer(opt_name, model)
+        self.batches = batches
+        self.device = device
+        self.i = 0
+        self.samples: list[float] = []
+        self.round_medians: list[float] = []
+        self.san = None
+        self.py = None
+        self.own_samples: list[float] = []  # the sanitizer's own time, per step
+        self.timers: dict = {}
+        if name == "trainsan":
+            self.san = trainsan.attach(model, self.opt, policy="record")
+        elif name == "trainsan-noupd":
+            self.san = trainsan.attach(model, self.opt, policy="record", track_updates=False)
+        elif name == "trainsan-audit1":
+            self.san = trainsan.attach(model, self.opt, policy="record", audit_every=1)
+        elif name == "pure-python":
+            self.py = PurePythonSanitizer(model, self.opt, policy="record")
+
+    def own_overhead(self) -> float:
+        if self.san is not None:
+            return self.san.overhead_seconds
+        if self.py is not None:
+            return self.py.overhead_seconds
+        return 0.0
+
+    def start_timing(self) -> None:
+        self.samples.clear()
+        self.round_medians.clear()
+        self.own_samples.clear()
+        for v in self.timers.values():
+            v.clear()
+
+    def _step(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad()
+        out = self.model(x)
+        loss = loss_fn(self.kind, out, y)
+        loss.backward()
+        self.opt.step()
+
+    def run(self, steps: int, record: bool) -> None:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        ctx = (torch.autograd.set_detect_anomaly(True) if self.name == "anomaly"
+               else _null())
+        with ctx:
+            if self.device.type == "cuda":
+                # Per-step synchronisation would defeat TrainSan's lagged checks: time the block.
+                sync()
+                own0 = self.own_overhead()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    self._step()
+                sync()
+                per = (time.perf_counter() - t0) / steps
+                if record:
+                    self.samples.extend([per] * steps)
+                    self.round_medians.append(per)
+                    self.own_samples.extend([(self.own_overhead() - own0) / steps] * steps)
+            else:
+                ts, own = [], []
+                for _ in range(steps):
+                    own0 = self.own_overhead()
+                    t0 = time.perf_counter()
+                    self._step()
+                    ts.append(time.perf_counter() - t0)
+                    own.append(self.own_overhead() - own0)
+                if record:
+                    self.samples.extend(ts)
+                    self.round_medians.append(statistics.median(ts))
+                    self.own_samples.extend(own)
+
+    def close(self) -> None:
+        if self.san is not None:
+            self.san.close()
+        if self.py is not None:
+            self.py.close()
+
+    def findings(self) -> list:
+        if self.san is not None:
+            return [(f.kind, f.severity, f.count) for f in self.san.findings]
+        if self.py is not None:
+            return [(f.kind, f.severity, f.count) for f in self.py.findings]
+        return []
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def wrap_handle_timers(c: Contender) -> None:
+    """--breakdown: time TrainSan's calls into C++ from its Python hooks (private API; bench only).
+
+    ``step_end`` is the fused pass + checks, ``forward`` the forward pre-hook's C++ part; the
+    gradient hooks run in C++ on the autograd thread and are included in the step time only.
+    """
+    handle = c.san._handle
+    timers = c.timers
+
+    class Timed:
+        def __getattr__(self, name):
+            fn = getattr(handle, name)
+            if name not in ("step_end", "forward", "step_begin"):
+                return fn
+
+            def call(*args):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    timers.setdefault(name, []).append(time.perf_counter() - t0)
+
+            return call
+
+    c.san._handle = Timed()
+
+
+def memory_floor(c: Contender, steps: int) -> dict:
+    """--breakdown: after plain steps, time one read of every gradient and parameter (a sum
+    each) and a copy of the parameters into a snapshot: what any pass that reads them all and
+    keeps a snapshot costs at least, from memory traffic alone."""
+    params = [p for p in c.model.parameters() if p.grad is not None]
+    snaps = [p.detach().clone() for p in params]
+    sync = torch.cuda.synchronize if c.device.type == "cuda" else (lambda: None)
+    read, copy_ = [], []
+    for i in range(steps):
+        c.run(1, record=False)
+        sync()
+        t0 = time.perf_counter()
+        if i % 2 == 0:
+            for p in params:
+                p.grad.sum()
+                p.sum()
+        else:
+            for s, p in zip(snaps, params):
+                s.copy_(p)
+        sync()
+        (read if i % 2 == 0 else copy_).append(time.perf_counter() - t0)
+    return {"read_grads_params": statistics.median(read) * 1e3,
+            "snapshot_copy": statistics.median(copy_) * 1e3}
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def bench_model(kind, args, device, names):
+    desc, factory = MODELS[kind]
+    torch.manual_seed(0)
+    base = factory().to(device)
+    n_params = sum(p.numel() for p in base.parameters())
+    gen = torch.Generator().manual_seed(1)
+    batches = make_batches(kind, 8, device, gen)
+    cs = [Contender(n, kind, copy.deepcopy(base), args.optimizer, batches, device) for n in names]
+    if args.breakdown:
+        for c in cs:
+            if c.san is not None:
+                wrap_handle_timers(c)
+    for c in cs:
+        c.run(args.warmup, record=False)
+    for c in cs:
+        c.start_timing()
+    rounds = max(1, math.ceil(args.steps / args.block))
+    for r in range(rounds):
+        for j in range(len(cs)):
+            cs[(r + j) % len(cs)].run(args.block, record=True)
+    res = {"model": kind, "desc": desc, "params": n_params, "contenders": {}}
+    plain = cs[0]
+    p_med = statistics.median(plain.samples)
+    for c in cs:
+        med = statistics.median(c.samples)
+        pairs = list(zip(c.round_medians, plain.round_medians))
+        entry = {
+            "ms": med * 1e3,
+            "ratio": med / p_med,
+            "overhead_ms": (med - p_med) * 1e3,
+            # Round by round (each contender's median of that round against plain's): drift in
+            # the machine's load between rounds cancels out.
+            "paired_ratio": statistics.median(a / b for a, b in pairs),
+            "paired_overhead_ms": statistics.median(a - b for a, b in pairs) * 1e3,
+            "own_ms": statistics.median(c.own_samples) * 1e3,
+            "own_mean_ms": statistics.fmean(c.own_samples) * 1e3,
+            "samples": len(c.samples),
+            "findings": c.findings(),
+        }
+        if c.timers:
+            entry["breakdown_ms"] = {k: statistics.median(v) * 1e3 for k, v in c.timers.items()}
+        res["contenders"][c.name] = entry
+    if args.breakdown:
+        res["floor_ms"] = memory_floor(cs[0], max(10, args.steps // 2))
+    for c in cs:
+        c.close()
+    return res
+
+
+def fmt_table(results) -> str:
+    head = (f"{'model':<12} {'params':>6} {'contender':<15} {'ms/step':>8} {'x plain':>7} "
+            f"{'ovh ms':>7} {'paired':>7} {'p.ovh':>7} {'own ms':>7} {'vs py':>12}")
+    lines = [head, "-" * len(head)]
+    for res in results:
+        cs = res["contenders"]
+        san = cs.get("trainsan")
+        py = cs.get("pure-python")
+        first = True
+        for name, e in cs.items():
+            vs = ""
+            if name == "trainsan" and py is not None:
+                vs = (f"{_ratio(py['overhead_ms'], san['overhead_ms'])}/"
+                      f"{_ratio(py['paired_overhead_ms'], san['paired_overhead_ms'])}")
+            model = res["model"] if first else ""
+            params = f"{res['params'] / 1e6:.2f}M" if first else ""
+            own = f"{e['own_ms']:.2f}" if name not in ("plain", "anomaly") else ""
+            lines.append(
+                f"{model:<12} {params:>6} {name:<15} {e['ms']:8.2f} {e['ratio']:7.3f} "
+                f"{e['overhead_ms']:7.2f} {e['paired_ratio']:7.3f} "
+                f"{e['paired_overhead_ms']:7.2f} {own:>7} {vs:>12}")
+            first = False
+        if san is not None and py is not None:
+            lines.append(f"{'':<12} {'':>6} own time, pure-python/trainsan: "
+                         f"{_ratio(py['own_ms'], san['own_ms'])}")
+    return "\n".join(lines)
+
+
+def _ratio(num: float, den: float) -> str:
+    if den <= 0:
+        return "noise"  # trainsan's wall-clock overhead is within the noise
+    return f"{num / den:.1f}x"
+
+
+def _verdict(ok: list) -> str:
+    if all(ok):
+        return "MET"
+    if not any(ok):
+        return "MISSED"
+    return "UNCLEAR (the estimates disagree: noise)"
+
+
+def goals(results) -> list[str]:
+    """One line per model and goal. Each goal is judged on the ratio of medians and on the paired
+    (round by round) estimate; the pure-Python goal also on the sanitizers' own measured times,
+    which are not disturbed by the noise in whole step times."""
+    out = []
+    for res in results:
+        cs = res["contenders"]
+        if "trainsan" not in cs:
+            continue
+        s = cs["trainsan"]
+        est = (s["ratio"], s["paired_ratio"])
+        out.append(f"{res['model']}: step time trainsan/plain {est[0]:.3f}x (paired "
+                   f"{est[1]:.3f}x), goal <= {GOAL_RATIO:.2f}x: "
+                   f"{_verdict([r <= GOAL_RATIO for r in est])}")
+        if "pure-python" in cs:
+            p = cs["pure-python"]
+            # A trainsan overhead at or below zero is within noise: no verdict from it.
+            wall = [p[k] / s[k] if s[k] > 0 else None for k in ("overhead_ms",
+                                                                "paired_overhead_ms")]
+            shown = ["noise" if w is None else f"{w:.1f}x" for w in wall]
+            judged = [w >= GOAL_VS_PY for w in wall if w is not None]
+            own = p["own_ms"] / s["own_ms"] if s["own_ms"] > 0 else math.inf
+            out.append(f"{res['model']}: overhead pure-Python/trainsan, goal >= "
+                       f"{GOAL_VS_PY:.0f}x: wall-clock {shown[0]} (paired {shown[1]}): "
+                       f"{_verdict(judged) if judged else 'n/a (noise)'}; own time "
+                       f"{p['own_ms']:.2f}/{s['own_ms']:.2f} ms = {own:.2f}x: "
+                       f"{_verdict([own >= GOAL_VS_PY])}")
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per contender and model (default 100, --quick 15)")
+    ap.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first (default: trainsan's audit_first_steps, 10, so "
+                         "that the timed steps see the op audit only every audit_every-th step "
+                         "as in a long run; --quick 2)")
+    ap.add_argument("--block", type=int, default=None,
+                    help="steps per contender per round (default 5; 20 on cuda)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--models", default="mlp,cnn,transformer")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                    help="sgd: SGD momentum 0.9 (default; the cheaper step); adamw")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time TrainSan's C++ calls and run trainsan with "
+                         "track_updates=False (snapshot/update cost)")
+    ap.add_argument("--no-anomaly", action="store_true", help="skip the anomaly contender")
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_overhead: --device cuda but no CUDA device is available; skipping.")
+        return 0
+    if args.steps is None:
+        args.steps = 15 if args.quick else 100
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else int(trainsan.OPTIONS["audit_first_steps"])
+    if args.block is None:
+        args.block = 20 if args.device == "cuda" else 5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    names = ["plain", "trainsan"]
+    if args.breakdown:
+        names += ["trainsan-noupd", "trainsan-audit1"]
+    if not args.no_anomaly:
+        names.append("anomaly")
+    names.append("pure-python")
+    warnings.filterwarnings("ignore", message=".*[Aa]nomaly [Dd]etection.*")
+    warnings.filterwarnings("ignore", message=".*nested tensor.*")
+
+    print(f"machine: {machine()}")
+    print(f"device: {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
+    print(f"trainsan native library: {trainsan._native.load()}")
+    print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    load = os.getloadavg()[0]
+    print(f"load average at start: {load:.2f}")
+    if device.type == "cpu" and load > 0.5 * (os.cpu_count() or 1):
+        print("warning: other processes are busy on this machine; with several torch threads "
+              "every parallel region waits for its slowest thread, so timings swing widely "
+              "(--threads 1 is steadier)")
+    print(f"steps/contender {args.steps}, rounds of {args.block}, warmup {args.warmup}, "
+          f"optimizer {args.optimizer}")
+    results = []
+    t_start = time.time()
+    for kind in args.models.split(","):
+        t0 = time.time()
+        gc.collect()
+        res = bench_model(kind, args, device, names)
+        results.append(res)
+        print(f"  {kind}: {res['desc']}, {res['params']:,} params ({time.time() - t0:.0f} s)",
+              flush=True)
+    print()
+    print(fmt_table(results))
+    print()
+    print("ms/step: median over all timed steps; x plain: ratio of medians; ovh: median - plain\n"
+          "median; paired, p.ovh: median over rounds of the per-round ratio and difference to\n"
+          "plain; own: the sanitizer's own measured time per step (median); vs py: pure-Python\n"
+          "overhead / trainsan overhead (ovh / p.ovh).")
+    if args.breakdown:
+        print("trainsan-noupd: track_updates=False (no snapshot); trainsan-audit1: audit_every=1 "
+              "(the op audit on every step).")
+    print(f"Goals: trainsan <= {GOAL_RATIO:.2f}x plain; pure-Python overhead >= "
+          f"{GOAL_VS_PY:.0f}x trainsan's.")
+    for res in results:
+        for name, e in res["contenders"].items():
+            if e["findings"]:
+                print(f"findings {res['model']}/{name}: {e['findings']}")
+            if "breakdown_ms" in e:
+                parts = ", ".join(f"{k} {v:.3f} ms" for k, v in e["breakdown_ms"].items())
+                print(f"breakdown {res['model']}/{name} (median per call): {parts}")
+        if "floor_ms" in res:
+            fl = res["floor_ms"]
+            print(f"memory floor {res['model']}: read grads+params "
+                  f"{fl['read_grads_params']:.3f} ms, snapshot copy {fl['snapshot_copy']:.3f} ms"
+                  f" (sum {fl['read_grads_params'] + fl['snapshot_copy']:.3f} ms)")
+    print()
+    for line in goals(results):
+        print("goal " + line)
+    print(f"total {time.time() - t_start:.0f} s, load average at end: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "argv": sys.argv, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# One-shot check of TrainSan on a GPU machine (e.g. a lent H200 with torch, nvcc, CMake, ninja and
+# pytest, maybe without GoogleTest, scikit-build-core or internet). Phases, each timed and bounded,
+# each run even when an earlier one failed (unless it needs what failed), summary at the end:
+#   env        versions, the GPU torch sees
+#   gtest      probe: is GoogleTest installed? (the C++ suites are built only if it is)
+#   configure  plain CMake into $BUILD_DIR (default build/gpu), Release, CUDA on
+#   build      the op library (and the test programs when GoogleTest is there)
+#   ctest-gpu  the GPU-labelled C++ tests (ctest -L gpu)
+#   pytest     tests/python against the built library (TRAINSAN_LIBRARY, PYTHONPATH=bindings)
+#   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
+#   gpt2-bench bench/bench_gpt2_gpu.py (sanitizer overhead on a GPT-2-small bf16 training step)
+# The whole run stays within GPU_CHECK_BUDGET_S seconds (default 450, so under 8 minutes): a phase
+# gets at most its own limit and what is left of the budget.
+#
+# Usage: bash bench/gpu_check.sh [--dry-run]
+#   --dry-run  print the phases, their limits and commands; run nothing
+# Environment: BUILD_DIR (build/gpu), PYTHON (python3), CUDA_ARCHS (90: the H200's sm_90),
+#   JOBS (all cores), GPU_CHECK_BUDGET_S (450), GTEST (auto, or ON/OFF instead of the probe).
+# Logs go to $BUILD_DIR/gpu_check/, and are copied to $OUT when that is set. Exit status: the
+# number of failed phases.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$(pwd)
+
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python3}
+BUILD_DIR=${BUILD_DIR:-build/gpu}
+case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$ROOT/$BUILD_DIR" ;; esac
+CUDA_ARCHS=${CUDA_ARCHS:-90}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 8)}
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+LOG_DIR="$BUILD_DIR/gpu_check"
+LIB="$BUILD_DIR/bindings/libtrainsan_ops.so"
+GENERATOR=()
+command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
+T0=$SECONDS
+
+declare -a NAMES=() STATUS=() SECS=() NOTES=()
+FAILED=0
+
+record() {  # name status seconds note
+  NAMES+=("$1"); STATUS+=("$2"); SECS+=("$3"); NOTES+=("$4")
+  [[ "$2" == ok || "$2" == skipped ]] || FAILED=$((FAILED + 1))
+}
+
+# run_phase NAME LIMIT_S NOTE COMMAND... : runs COMMAND under `timeout`, output to the console and
+# to $LOG_DIR/NAME.log; records ok / FAILED (rc) / TIMEOUT.
+run_phase() {
+  local name=$1 limit=$2 note=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - T0) - 10))
+  ((limit > left)) && limit=$left
+  echo
+  echo "=== gpu_check: $name (limit ${limit}s): $*"
+  if ((DRY_RUN)); then
+    record "$name" skipped 0 "dry run"
+    return 0
+  fi
+  if ((limit < 5)); then
+    record "$name" TIMEOUT 0 "no time left in the ${BUDGET}s budget"
+    return 1
+  fi
+  local start=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start))
+  if ((rc == 0)); then
+    record "$name" ok "$took" "$note"
+  elif ((rc == 124 || rc == 137)); then
+    record "$name" TIMEOUT "$took" "killed after ${limit}s; log $LOG_DIR/$name.log"
+  else
+    record "$name" "FAILED ($rc)" "$took" "log $LOG_DIR/$name.log"
+  fi
+  return "$rc"
+}
+
+skip_phase() {  # name reason
+  echo
+  echo "=== gpu_check: $1 skipped: $2"
+  record "$1" skipped 0 "$2"
+}
+
+mkdir -p "$LOG_DIR"
+
+# --- env ----------------------------------------------------------------------------------------
+# shellcheck disable=SC2317  # run through `bash -c`
+env_report() {
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2
+  cmake --version | head -n 1
+  "$PY" - <<'EOF'
+import torch
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"cuda available: {torch.cuda.is_available()}"
+      + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+         if torch.cuda.is_available() else ""))
+EOF
+}
+export -f env_report
+export PY
+run_phase env 60 "" bash -c env_report
+GPU_VISIBLE=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+((DRY_RUN)) && GPU_VISIBLE=1
+
+# --- gtest --------------------------------------------------------------------------------------
+# A throw-away project: find_package(GTest) there decides TRAINSAN_BUILD_TESTS here.
+gtest_probe() {
+  local dir
+  dir=$(mktemp -d)
+  cat >"$dir/CMakeLists.txt" <<'EOF'
+cmake_minimum_required(VERSION 3.18)
+project(gtest_probe CXX)
+find_package(GTest)
+if(NOT GTest_FOUND)
+  message(FATAL_ERROR "GoogleTest not found")
+endif()
+EOF
+  cmake -S "$dir" -B "$dir/build" >/dev/null 2>&1
+  local rc=$?
+  rm -rf "$dir"
+  if ((rc == 0)); then echo "GoogleTest found"; else echo "GoogleTest not found"; fi
+  return $rc
+}
+HAVE_GTEST=OFF
+GTEST=${GTEST:-auto}
+echo
+if ((DRY_RUN)); then
+  echo "=== gpu_check: gtest: probe find_package(GTest) in a throw-away CMake project"
+  record gtest skipped 0 "dry run"
+elif [[ $GTEST == ON ]] || { [[ $GTEST == auto ]] && gtest_probe >"$LOG_DIR/gtest.log" 2>&1; }; then
+  HAVE_GTEST=ON
+  echo "=== gpu_check: gtest: GoogleTest found, the C++ suites will be built"
+  record gtest ok 0 "GoogleTest found: C++ suites built"
+else
+  echo "=== gpu_check: gtest: GoogleTest not found, the C++ suites will not be built"
+  record gtest skipped 0 "GoogleTest not found: C++ suites not built"
+fi
+
+# --- configure, build ---------------------------------------------------------------------------
+BUILT=0
+if run_phase configure 120 "tests=$HAVE_GTEST, CUDA archs $CUDA_ARCHS" \
+  cmake -S "$ROOT" -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DTRAINSAN_WITH_CUDA=ON -DTRAINSAN_BUILD_TESTS="$HAVE_GTEST" -DTRAINSAN_BUILD_BENCHMARKS=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS" -DPython3_EXECUTABLE="$(command -v "$PY")"; then
+  run_phase build 300 "$JOBS jobs" cmake --build "$BUILD_DIR" -j "$JOBS" && BUILT=1
+else
+  skip_phase build "configure failed"
+fi
+((DRY_RUN)) && BUILT=1
+
+# --- tests --------------------------------------------------------------------------------------
+gpu_note() { ((GPU_VISIBLE)) && echo "$1" || echo "$1; NO GPU visible: GPU parts skip"; }
+if ((!BUILT)); then
+  skip_phase ctest-gpu "build failed"
+elif [[ $HAVE_GTEST != ON ]] && ((!DRY_RUN)); then
+  skip_phase ctest-gpu "no GoogleTest"
+else
+  run_phase ctest-gpu 120 "$(gpu_note "ctest -L gpu")" \
+    ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure --timeout 100
+fi
+
+if ((!BUILT)); then
+  skip_phase pytest "build failed"
+else
+  # Leave the two benchmarks 200 s of the budget whatever pytest takes.
+  PYTEST_LIMIT=$((BUDGET - (SECONDS - T0) - 10 - 200))
+  ((PYTEST_LIMIT > 180)) && PYTEST_LIMIT=180
+  run_phase pytest "$PYTEST_LIMIT" "$(gpu_note "tests/python")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" -m pytest -q -ra -p no:cacheprovider "$ROOT/tests/python"
+fi
+
+# --- benchmark ----------------------------------------------------------------------------------
+if ((!BUILT)); then
+  skip_phase gpu-bench "build failed"
+else
+  run_phase gpu-bench 150 "$(gpu_note "2 GiB bf16 + fp32, 300 tensors")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/gpu_bench.py" --json "$LOG_DIR/gpu_bench.json"
+fi
+
+if ((!BUILT)); then
+  skip_phase gpt2-bench "build failed"
+else
+  # Sanitizer overhead on a GPT-2-small-sized bf16 training step: default (async), sync=True and
+  # an audited step, against the plain step (goal: default <= 1.03x).
+  run_phase gpt2-bench 110 "$(gpu_note "GPT-2 small, bf16 autocast, AdamW")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/bench_gpt2_gpu.py" --steps 8 --rounds 3
+fi
+
+# --- summary ------------------------------------------------------------------------------------
+echo
+echo "=== gpu_check summary ($((SECONDS - T0))s of ${BUDGET}s; build dir $BUILD_DIR)"
+printf '%-10s | %-12s | %6s | %s\n' phase status seconds note
+for i in "${!NAMES[@]}"; do
+  printf '%-10s | %-12s | %6s | %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${NOTES[$i]}"
+done
+if [[ -s "$LOG_DIR/gpu-bench.log" ]]; then
+  echo
+  echo "gpu_bench:"
+  grep -E '^(gpu_bench|[a-z0-9]+: |  )' "$LOG_DIR/gpu-bench.log"
+fi
+if [[ -s "$LOG_DIR/gpt2-bench.log" ]]; then
+  echo
+  echo "gpt2_bench:"
+  grep -E '^(GPT|contender|plain|trainsan|goal)' "$LOG_DIR/gpt2-bench.log"
+fi
+if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
+  cp -r "$LOG_DIR" "$OUT/" 2>/dev/null
+fi
+echo
+echo "gpu_check: $FAILED phase(s) failed"
+exit "$FAILED"
