@@ -22,6 +22,7 @@ to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -178,7 +179,7 @@ class Contender:
     def run(self, steps: int, record: bool) -> None:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         ctx = (torch.autograd.set_detect_anomaly(True) if self.name == "anomaly"
-               else _null())
+               else contextlib.nullcontext())
         with ctx:
             if self.device.type == "cuda":
                 # Per-step synchronisation would defeat TrainSan's lagged checks: time the block.
@@ -220,19 +221,11 @@ class Contender:
         return []
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def wrap_handle_timers(c: Contender) -> None:
     """--breakdown: time TrainSan's calls into C++ from its Python hooks (private API; bench only).
 
     ``step_end`` is the fused pass + checks, ``forward`` the forward pre-hook's C++ part; the
-    gradient hooks run in C++ on the autograd thread and are included in the step time only.
+    gradient hooks run in C++ during backward and show in the step time only.
     """
     handle = c.san._handle
     timers = c.timers
