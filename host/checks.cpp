@@ -47,6 +47,7 @@ std::vector<Row> unpack_rows(const PendingPass& p) {
     const double* fp = c.host.floats.const_data_ptr<double>();
     for (size_t r = 0; r < st.size(); ++r) {
       rows[r].stats = st[r];
+      if (!p.hashed) rows[r].stats.hash = 0;
       if (upd) {
         Update u;
         u.changed = ip[r * kn::kIntFieldsUpdate + kn::kIntFields];

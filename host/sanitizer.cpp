@@ -113,6 +113,8 @@ void Options::set(const std::string& name, const std::string& value) {
     trace_topk = as_int();
   } else if (name == "sync") {
     sync = as_bool();
+  } else if (name == "fingerprints") {
+    fingerprints = as_bool();
   } else if (name == "track_updates") {
     track_updates = as_bool();
   } else if (name == "grad_explosion_factor") {
@@ -549,6 +551,10 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
     // Keyed by (device type, index): at::Device has no ordering.
     using DevKey = std::pair<int, int>;
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
+    // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
+    // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
+    p->hashed = opts.fingerprints || (trace.is_open() && p->step % opts.trace_every == 0);
+    std::map<DevKey, std::vector<char>> no_hash;
     std::map<DevKey, std::vector<int64_t>> global_rows;
     const bool upd = opts.track_updates;
     p->with_update = upd;
@@ -557,6 +563,7 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
       const DevKey d{static_cast<int>(t.device().type()), t.device().index()};
       tensors[d].push_back(t.detach());
       snaps[d].push_back(snap);
+      no_hash[d].push_back(p->hashed ? 0 : 1);
       global_rows[d].push_back(row);
       return row++;
     };
@@ -592,8 +599,10 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
       const std::vector<at::Tensor>& sn = snaps[dev];
       const bool any_snap =
           std::any_of(sn.begin(), sn.end(), [](const at::Tensor& t) { return t.defined(); });
-      PackedStats packed = ts.front().is_cuda() ? host::packed_cuda(ts, any_snap ? &sn : nullptr)
-                                         : host::packed_cpu(ts, any_snap ? &sn : nullptr);
+      const std::vector<char>* nh = &no_hash[dev];
+      PackedStats packed = ts.front().is_cuda()
+                               ? host::packed_cuda(ts, any_snap ? &sn : nullptr, nh)
+                               : host::packed_cpu(ts, any_snap ? &sn : nullptr, nh);
       const size_t c = p->copies.size();
       p->copies.push_back(host::start_host_copy(packed));
       const auto& gr = global_rows[dev];

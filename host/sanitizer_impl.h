@@ -76,6 +76,7 @@ struct PendingPass {
   std::vector<int64_t> grad_row;  // per entry of indices: row of its gradient, -1 when none
   std::vector<int64_t> param_row;
   bool with_update = false;
+  bool hashed = true;  // fingerprints computed (else their column is 0 in last_stats/trace)
   std::vector<host::HostCopy> copies;     // one per device group
   std::vector<std::pair<size_t, int64_t>> row_map;  // global row -> (copy, row in copy)
   std::vector<GradState> observed;  // GradState of each entry at launch

@@ -98,7 +98,7 @@ static void check_one_device(const std::vector<at::Tensor>& tensors, const char*
 }
 
 Described describe(const std::vector<at::Tensor>& tensors,
-                   const std::vector<at::Tensor>* snapshots) {
+                   const std::vector<at::Tensor>* snapshots, const std::vector<char>* no_hash) {
   Described out;
   out.descs.resize(tensors.size());
   out.chunk_begin.resize(tensors.size() + 1);
@@ -127,6 +127,7 @@ Described describe(const std::vector<at::Tensor>& tensors,
     d.contiguous = (nd == 1 && d.strides[0] == 1) ? 1 : 0;
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
     d.snapshot = nullptr;
+    d.no_hash = (no_hash != nullptr && (*no_hash)[i]) ? 1 : 0;
     if (snapshots != nullptr && (*snapshots)[i].defined() && d.numel > 0) {
       const at::Tensor& snap = (*snapshots)[i];
       TORCH_INTERNAL_ASSERT(snap.is_contiguous() && snap.numel() == d.numel &&
@@ -141,8 +142,8 @@ Described describe(const std::vector<at::Tensor>& tensors,
 }
 
 PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
-                       const std::vector<at::Tensor>* snapshots) {
-  const Described w = describe(tensors, snapshots);
+                       const std::vector<at::Tensor>* snapshots, const std::vector<char>* no_hash) {
+  const Described w = describe(tensors, snapshots, no_hash);
   const bool with_update = snapshots != nullptr;
   const int ni = with_update ? kn::kIntFieldsUpdate : kn::kIntFields;
   const int nf = with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields;
@@ -234,7 +235,8 @@ HostCopy start_host_copy(const PackedStats& packed) {
 bool host_copy_ready(const HostCopy&) { return true; }
 void wait_host_copy(const HostCopy&) {}
 
-PackedStats packed_cuda(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>*) {
+PackedStats packed_cuda(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>*,
+                        const std::vector<char>*) {
   TORCH_CHECK_VALUE(false, "tensor_stats: tensors[0] is on ", tensors.at(0).device(),
                     " but this TrainSan build has no CUDA support; reinstall it on a machine with "
                     "the CUDA toolkit (nvcc) so that TRAINSAN_WITH_CUDA is on");

@@ -79,9 +79,9 @@ __device__ void chunk_update(const TensorDesc& t, int64_t start, int64_t count, 
   }
 }
 
-template <typename T>
-__device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
-  if (t.snapshot != nullptr) chunk_update<T>(t, start, count, r);
+template <typename T, bool kHash>
+__device__ void chunk_stats_impl(const TensorDesc& t, int64_t start, int64_t count,
+                                 StatsRecord& r) {
   const int tid = threadIdx.x;
   if (t.contiguous) {
     const T* p = static_cast<const T*>(t.data) + start;
@@ -97,16 +97,26 @@ __device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, S
         T vals[kVec];
         memcpy(vals, &raw, sizeof(raw));
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) accumulate<T>(r, vals[k], start + v * kVec + k);
+        for (int k = 0; k < kVec; ++k) accumulate<T, kHash>(r, vals[k], start + v * kVec + k);
       }
     }
     for (int64_t i = vec_elems + tid; i < count; i += kBlockSize) {
-      accumulate<T>(r, p[i], start + i);
+      accumulate<T, kHash>(r, p[i], start + i);
     }
   } else {
     for (int64_t i = tid; i < count; i += kBlockSize) {
-      accumulate<T>(r, load_strided<T>(t, start + i), start + i);
+      accumulate<T, kHash>(r, load_strided<T>(t, start + i), start + i);
     }
+  }
+}
+
+template <typename T>
+__device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
+  if (t.snapshot != nullptr) chunk_update<T>(t, start, count, r);
+  if (t.no_hash) {
+    chunk_stats_impl<T, false>(t, start, count, r);
+  } else {
+    chunk_stats_impl<T, true>(t, start, count, r);
   }
 }
 

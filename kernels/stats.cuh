@@ -228,7 +228,7 @@ TRAINSAN_HD ElemClass classify(T v, typename ElemTraits<T>::Acc x) {
 
 // Add one element (value v at logical index `index`) to a record. The GPU kernel calls this per
 // element; the CPU backend runs the same classify/hash_term maths in lane-parallel form.
-template <typename T>
+template <typename T, bool kHash = true>
 TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   using Tr = ElemTraits<T>;
   const auto x = Tr::value(v);
@@ -240,7 +240,7 @@ TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   r.zero += c.zero;
   r.subnormal += c.subnormal;
   r.fp16_overflow += c.overflow;
-  r.hash += hash_term(static_cast<uint64_t>(Tr::bits(v)), index);
+  if constexpr (kHash) r.hash += hash_term(static_cast<uint64_t>(Tr::bits(v)), index);
   const double d = c.finite ? static_cast<double>(x) : 0.0;
   r.min = min_(r.min, c.finite ? d : INFINITY);
   r.max = max_(r.max, c.finite ? d : -INFINITY);

@@ -124,7 +124,7 @@ inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n
 // Lane-parallel form of accumulate<T>() over a contiguous run; same maths, same result per lane
 // as calling accumulate() element by element, merged in a fixed lane order. Lane l of the
 // vectorised part takes elements l, l + kLanes, ... of the run.
-template <typename T>
+template <typename T, bool kHash>
 inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, int64_t n,
                                                       StatsRecord* out) {
   using Tr = ElemTraits<T>;
@@ -160,8 +160,10 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
             const double d = static_cast<double>(x);
             s[l] += d;
             ss[l] += d * d;
-            h[l] += mix64(static_cast<uint64_t>(bits) + ik[l]);
-            ik[l] += kStep;
+            if constexpr (kHash) {
+              h[l] += mix64(static_cast<uint64_t>(bits) + ik[l]);
+              ik[l] += kStep;
+            }
           }
         }
       };
@@ -195,8 +197,10 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
           const double d = static_cast<double>(xf);
           s[l] += d;
           ss[l] += d * d;
-          h[l] += mix64(static_cast<uint64_t>(Tr::bits(v)) + ik[l]);
-          ik[l] += kStep;
+          if constexpr (kHash) {
+            h[l] += mix64(static_cast<uint64_t>(Tr::bits(v)) + ik[l]);
+            ik[l] += kStep;
+          }
         }
       }
     }
@@ -220,7 +224,7 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
   // form's value when every finite value is ±0 or none is finite (min = +inf, max = -inf).
   r.absmax = max_(0.0, max_(-r.min, r.max));
   r.numel = n_vec;
-  for (int64_t i = n_vec; i < n; ++i) accumulate<T>(r, p[i], base + i);
+  for (int64_t i = n_vec; i < n; ++i) accumulate<T, kHash>(r, p[i], base + i);
   *out = r;
 }
 
@@ -263,32 +267,77 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
   }
 }
 
-TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<float>(p, b, n, o);
+TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<float, true>(p, b, n, o);
+  } else {
+    chunk_body<float, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_f64(const double* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<double>(p, b, n, o);
+TRAINSAN_CLONES void chunk_f64(const double* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<double, true>(p, b, n, o);
+  } else {
+    chunk_body<double, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_f16(const Half* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<Half>(p, b, n, o);
+TRAINSAN_CLONES void chunk_f16(const Half* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<Half, true>(p, b, n, o);
+  } else {
+    chunk_body<Half, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_bf16(const BFloat16* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<BFloat16>(p, b, n, o);
+TRAINSAN_CLONES void chunk_bf16(const BFloat16* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<BFloat16, true>(p, b, n, o);
+  } else {
+    chunk_body<BFloat16, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_i8(const int8_t* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<int8_t>(p, b, n, o);
+TRAINSAN_CLONES void chunk_i8(const int8_t* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<int8_t, true>(p, b, n, o);
+  } else {
+    chunk_body<int8_t, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_i16(const int16_t* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<int16_t>(p, b, n, o);
+TRAINSAN_CLONES void chunk_i16(const int16_t* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<int16_t, true>(p, b, n, o);
+  } else {
+    chunk_body<int16_t, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_i32(const int32_t* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<int32_t>(p, b, n, o);
+TRAINSAN_CLONES void chunk_i32(const int32_t* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<int32_t, true>(p, b, n, o);
+  } else {
+    chunk_body<int32_t, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<int64_t>(p, b, n, o);
+TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<int64_t, true>(p, b, n, o);
+  } else {
+    chunk_body<int64_t, false>(p, b, n, o);
+  }
 }
-TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o) {
-  chunk_body<uint8_t>(p, b, n, o);
+TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o,
+                                bool hash) {
+  if (hash) {
+    chunk_body<uint8_t, true>(p, b, n, o);
+  } else {
+    chunk_body<uint8_t, false>(p, b, n, o);
+  }
 }
 
 TRAINSAN_CLONES void update_f32(const float* p, float* s, int64_t n, StatsRecord* o) {
@@ -365,19 +414,20 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
     }
     p = dst;
   }
+  const bool hash = t.no_hash == 0;
   switch (t.dtype) {
-    case DType::kFloat32: chunk_f32(reinterpret_cast<const float*>(p), start, count, out); break;
-    case DType::kFloat64: chunk_f64(reinterpret_cast<const double*>(p), start, count, out); break;
-    case DType::kFloat16: chunk_f16(reinterpret_cast<const Half*>(p), start, count, out); break;
+    case DType::kFloat32: chunk_f32(reinterpret_cast<const float*>(p), start, count, out, hash); break;
+    case DType::kFloat64: chunk_f64(reinterpret_cast<const double*>(p), start, count, out, hash); break;
+    case DType::kFloat16: chunk_f16(reinterpret_cast<const Half*>(p), start, count, out, hash); break;
     case DType::kBFloat16:
-      chunk_bf16(reinterpret_cast<const BFloat16*>(p), start, count, out);
+      chunk_bf16(reinterpret_cast<const BFloat16*>(p), start, count, out, hash);
       break;
-    case DType::kInt8: chunk_i8(reinterpret_cast<const int8_t*>(p), start, count, out); break;
-    case DType::kInt16: chunk_i16(reinterpret_cast<const int16_t*>(p), start, count, out); break;
-    case DType::kInt32: chunk_i32(reinterpret_cast<const int32_t*>(p), start, count, out); break;
-    case DType::kInt64: chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out); break;
+    case DType::kInt8: chunk_i8(reinterpret_cast<const int8_t*>(p), start, count, out, hash); break;
+    case DType::kInt16: chunk_i16(reinterpret_cast<const int16_t*>(p), start, count, out, hash); break;
+    case DType::kInt32: chunk_i32(reinterpret_cast<const int32_t*>(p), start, count, out, hash); break;
+    case DType::kInt64: chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out, hash); break;
     case DType::kUInt8:
-    case DType::kBool: chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out); break;
+    case DType::kBool: chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out, hash); break;
   }
   if (t.snapshot == nullptr) return;
   char* snap = static_cast<char*>(t.snapshot) + start * es;

@@ -70,6 +70,7 @@ OPTIONS = {
     "trace_topk": 8,
     "sync": False,
     "track_updates": True,
+    "fingerprints": False,
     "grad_explosion_factor": 50.0,
     "grad_explosion_warmup": 5,
     "grad_explosion_limit": 0.0,

@@ -189,9 +189,22 @@ def test_trace_global_and_topk(tmp_path):
     assert all(len(s["tensors"]) == 2 for s in steps)
 
 
-def test_last_stats_match_tensor_stats():
+def test_fingerprints_only_when_asked_or_traced(tmp_path):
     model, opt = _setup()
     with trainsan.attach(model, opt) as san:
+        _train(model, opt, 1)
+        assert all(s.hash == 0 for s in san.last_stats().values())
+    model, opt = _setup()
+    with trainsan.attach(model, opt, trace=tmp_path / "t.jsonl", trace_every=2) as san:
+        _train(model, opt, 1)
+        assert san.last_stats()["0.weight"].hash == trainsan.tensor_stats([model[0].weight])[0].hash
+        _train(model, opt, 1)  # step 1 is not traced
+        assert san.last_stats()["0.weight"].hash == 0
+
+
+def test_last_stats_match_tensor_stats():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, fingerprints=True) as san:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         _train(model, opt, 1)
         st = san.last_stats()

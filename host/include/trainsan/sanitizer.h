@@ -46,6 +46,9 @@ struct Options {
   int64_t trace_topk = 8;             ///< tensors per step record with trace_tensors="topk"
   bool sync = false;          ///< GPU: check at the same step (waits for the pass)
   bool track_updates = true;  ///< keep a snapshot of the parameters for the update checks
+  /// Fingerprint (hash) every gradient and parameter at every step; by default only on steps
+  /// written to the trace (no check needs them, and they are most of the CPU pass's arithmetic).
+  bool fingerprints = false;
 
   double grad_explosion_factor = 50.0;  ///< global grad norm > factor x running baseline
   int64_t grad_explosion_warmup = 5;    ///< steps before the baseline is trusted
