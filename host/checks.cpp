@@ -153,7 +153,7 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
 
   // --- numeric checks on the pass results ---
   double grad_sq = 0.0, param_sq = 0.0, upd_sq = 0.0;
-  double pre_sq = 0.0;     // ‖θ‖² before the step, over the parameters with an update
+  double pre_sq = 0.0;  // ‖θ‖² before the step, over the parameters with an update
   bool pre_known = true;
   int64_t changed = 0;
   bool any_update = false;
@@ -186,9 +186,9 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
       live.vanishing_steps = vanished ? live.vanishing_steps + 1 : 0;
       if (vanished && live.vanishing_steps >= opts.grad_vanishing_steps && !p.lr_zero) {
         emit("grad_vanishing", name(k),
-             name(k) + ".grad has been " + (g.l2 == 0.0 ? "exactly zero" : "negligible (" +
-                                                              fmt(g.l2) + ")") +
-                 " for " + std::to_string(live.vanishing_steps) +
+             name(k) + ".grad has been " +
+                 (g.l2 == 0.0 ? "exactly zero" : "negligible (" + fmt(g.l2) + ")") + " for " +
+                 std::to_string(live.vanishing_steps) +
                  " steps — dead activations (ReLU), saturated sigmoid/tanh, a multiplication by "
                  "zero, or a loss that does not depend on this layer",
              g.l2);
@@ -267,10 +267,9 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
     for (size_t k = 0; k < n; ++k) {
       if (!p.observed[k].got_grad || params[p.indices[k]].opt < 0) continue;
       produced += 1;
-      const bool zeroed =
-          p.grad_at_step[k] == 2 && p.grad_row[k] >= 0 &&
-          rows[static_cast<size_t>(p.grad_row[k])].stats.zero ==
-              rows[static_cast<size_t>(p.grad_row[k])].stats.numel;
+      const bool zeroed = p.grad_at_step[k] == 2 && p.grad_row[k] >= 0 &&
+                          rows[static_cast<size_t>(p.grad_row[k])].stats.zero ==
+                              rows[static_cast<size_t>(p.grad_row[k])].stats.numel;
       cleared += (p.grad_at_step[k] == 1 || zeroed) ? 1 : 0;
     }
     if (produced > 0 && cleared == produced) {
@@ -298,9 +297,9 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
     const bool extreme = ratio > 10.0 * opts.update_ratio_high;
     if (outside && (out_steps >= opts.update_ratio_steps || extreme)) {
       emit("update_ratio", "",
-           "the update ratio ||Δθ||/||θ|| (θ before the step) has been " + fmt(ratio) + " (outside [" +
-               fmt(opts.update_ratio_low) + ", " + fmt(opts.update_ratio_high) + "]) for " +
-               std::to_string(out_steps) + " step(s) — the learning rate is far too " +
+           "the update ratio ||Δθ||/||θ|| (θ before the step) has been " + fmt(ratio) +
+               " (outside [" + fmt(opts.update_ratio_low) + ", " + fmt(opts.update_ratio_high) +
+               "]) for " + std::to_string(out_steps) + " step(s) — the learning rate is far too " +
                (ratio > opts.update_ratio_high ? "high" : "low") +
                " for these weights (typical ratios are 1e-4..1e-2)",
            ratio);
@@ -352,9 +351,9 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   step_overhead_s += check_s;
   if (trace.is_open() && p.step % opts.trace_every == 0) {
     std::ostringstream g;
-    g << "\"grad_norm\":" << json_number(grad_norm) << ",\"param_norm\":"
-      << json_number(param_norm) << ",\"update_norm\":" << json_number(upd_norm)
-      << ",\"update_ratio\":" << json_number(ratio) << ",\"changed\":" << changed
+    g << "\"grad_norm\":" << json_number(grad_norm) << ",\"param_norm\":" << json_number(param_norm)
+      << ",\"update_norm\":" << json_number(upd_norm) << ",\"update_ratio\":" << json_number(ratio)
+      << ",\"changed\":" << changed
       << ",\"nonfinite_grad\":" << (any_nonfinite_grad ? "true" : "false");
     std::ostringstream t;
     if (opts.trace_tensors != "global") {
@@ -372,8 +371,8 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
         }
         if (pr.update) {
           t << ",\"update\":{\"l2\":" << json_number(pr.update->l2)
-            << ",\"max\":" << json_number(pr.update->max)
-            << ",\"changed\":" << pr.update->changed << "}";
+            << ",\"max\":" << json_number(pr.update->max) << ",\"changed\":" << pr.update->changed
+            << "}";
         }
         t << "}";
         first = false;

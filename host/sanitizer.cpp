@@ -28,10 +28,14 @@ namespace {
 // The same tensor viewed as unsigned-width integers, for bitwise comparison.
 at::Tensor as_bits(const at::Tensor& t) {
   switch (t.element_size()) {
-    case 8: return t.view(at::kLong);
-    case 4: return t.view(at::kInt);
-    case 2: return t.view(at::kShort);
-    default: return t.view(at::kByte);
+    case 8:
+      return t.view(at::kLong);
+    case 4:
+      return t.view(at::kInt);
+    case 2:
+      return t.view(at::kShort);
+    default:
+      return t.view(at::kByte);
   }
 }
 
@@ -59,9 +63,9 @@ struct AccumulatePostHook : torch::autograd::FunctionPostHook {
 }  // namespace
 
 std::string severity_of(const std::string& kind) {
-  static const std::set<std::string> warnings = {
-      "grad_explosion", "grad_vanishing", "update_ratio", "eval_mode", "duplicate_batch",
-      "fp16_overflow"};
+  static const std::set<std::string> warnings = {"grad_explosion",  "grad_vanishing",
+                                                 "update_ratio",    "eval_mode",
+                                                 "duplicate_batch", "fp16_overflow"};
   return warnings.count(kind) ? "warning" : "error";
 }
 
@@ -216,8 +220,7 @@ void SanitizerImpl::install_hooks() {
     }
     // Holding the accumulator keeps it (and the hook) alive across graphs, as DDP does.
     auto acc = torch::autograd::impl::grad_accumulator(p);
-    const uintptr_t key =
-        acc->add_post_hook(std::make_unique<AccumulatePostHook>(self_token, i));
+    const uintptr_t key = acc->add_post_hook(std::make_unique<AccumulatePostHook>(self_token, i));
     accumulators.push_back(std::move(acc));
     hook_keys.push_back(key);
   }
@@ -404,7 +407,8 @@ std::vector<Finding> SanitizerImpl::on_loss(const at::Tensor& loss) {
       append(out, add("nonfinite_loss", "",
                       "the loss holds " + std::to_string(s.nan) + " NaN, " +
                           std::to_string(s.posinf) + " +Inf and " + std::to_string(s.neginf) +
-                          " -Inf values of " + std::to_string(s.numel) + " — check the model outputs and the loss inputs (log of 0, "
+                          " -Inf values of " + std::to_string(s.numel) +
+                          " — check the model outputs and the loss inputs (log of 0, "
                           "division by 0, too large a learning rate in the previous step)",
                       static_cast<double>(s.nonfinite())));
     }
@@ -520,7 +524,8 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
     grad_since_forward = false;
     for (size_t i = 0; i < params.size(); ++i) {
       GradState& s = grad[i];
-      // A step covers its optimizer's parameters and those in no optimizer (param_not_in_optimizer).
+      // A step covers its optimizer's parameters and those in no optimizer
+      // (param_not_in_optimizer).
       const bool orphan = params[i].opt < 0;
       if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
       p->indices.push_back(i);
@@ -528,9 +533,9 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
       // This step consumes the gradient as it is now.
       const at::Tensor& g = params[i].param.grad();
       p->grad_at_step.push_back(
-          !g.defined() ? 1
+          !g.defined()                                                                  ? 1
           : (s.last.get() == g.unsafeGetTensorImpl() && g._version() == s.last_version) ? 0
-                                                                                         : 2);
+                                                                                        : 2);
       if (!manual && !orphan) {
         if (g.defined()) {
           s.consumed = WeakImpl(g);
@@ -674,16 +679,16 @@ std::vector<ParamInfo> to_params(const Sanitizer::NamedTensors& named) {
     TORCH_CHECK_TYPE(t.defined(), "trainsan::Sanitizer: parameter '", name, "' is undefined");
     out.push_back({name, t, 0});
   }
-  TORCH_CHECK_VALUE(!out.empty(), "trainsan::Sanitizer: no parameters given; pass "
-                                  "model->named_parameters()");
+  TORCH_CHECK_VALUE(!out.empty(),
+                    "trainsan::Sanitizer: no parameters given; pass "
+                    "model->named_parameters()");
   return out;
 }
 
 }  // namespace
 
 Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
-    : impl_(std::make_unique<SanitizerImpl>(to_params(named_parameters), std::move(options),
-                                            "")) {
+    : impl_(std::make_unique<SanitizerImpl>(to_params(named_parameters), std::move(options), "")) {
   impl_->install_hooks();
 }
 

@@ -49,7 +49,7 @@ class WeakImpl {
 
 // Per-parameter bookkeeping written by the gradient hook (under SanitizerImpl::mu).
 struct GradState {
-  bool got_grad = false;          // a gradient arrived since the last step of its optimizer
+  bool got_grad = false;  // a gradient arrived since the last step of its optimizer
   bool produced_since_clear = false;
   bool step_since_clear = false;  // its optimizer stepped since the gradient was last cleared
   bool stale = false;             // accumulated onto a gradient a step had already consumed
@@ -72,15 +72,15 @@ struct PendingPass {
   int64_t opt = -1;
   bool lr_zero = false;
   bool manual = false;
-  std::vector<size_t> indices;   // parameters in the pass
+  std::vector<size_t> indices;    // parameters in the pass
   std::vector<int64_t> grad_row;  // per entry of indices: row of its gradient, -1 when none
   std::vector<int64_t> param_row;
   bool with_update = false;
   bool hashed = true;  // fingerprints computed (else their column is 0 in last_stats/trace)
-  std::vector<host::HostCopy> copies;     // one per device group
+  std::vector<host::HostCopy> copies;               // one per device group
   std::vector<std::pair<size_t, int64_t>> row_map;  // global row -> (copy, row in copy)
-  std::vector<GradState> observed;  // GradState of each entry at launch
-  std::vector<bool> got_grad_any;   // per entry
+  std::vector<GradState> observed;                  // GradState of each entry at launch
+  std::vector<bool> got_grad_any;                   // per entry
   // Per entry, at the step: 0 = .grad is what the last backward left, 1 = .grad is None,
   // 2 = .grad was modified (or replaced) after the last backward (clipping, unscaling, zeroing).
   std::vector<uint8_t> grad_at_step;
@@ -89,7 +89,6 @@ struct PendingPass {
   std::vector<host::HostCopy> losses;
   double launch_overhead_s = 0.0;
 };
-
 
 struct SanitizerImpl {
   SanitizerImpl(std::vector<ParamInfo> params, Options options, std::string header_json);
@@ -119,9 +118,9 @@ struct SanitizerImpl {
   // --- state ---
   std::vector<ParamInfo> params;
   Options opts;
-  std::vector<Finding> findings;          // unique findings, with counts
+  std::vector<Finding> findings;                // unique findings, with counts
   std::map<std::string, size_t> finding_index;  // kind + "\x1f" + tensor -> index
-  int64_t step = 0;                        // completed optimizer steps
+  int64_t step = 0;                             // completed optimizer steps
   int64_t backwards_since_step = 0;
   bool grad_since_forward = false;  // a gradient arrived since the last training forward
   bool in_step = false;
@@ -150,7 +149,7 @@ struct SanitizerImpl {
   std::optional<uint64_t> last_input_hash;
   int64_t input_hash_step = -1;
   int64_t amp_skips = 0;
-  bool fp16_in_use = false;  // a forward ran under fp16 autocast
+  bool fp16_in_use = false;                       // a forward ran under fp16 autocast
   std::vector<std::string> current_eval_modules;  // of the last grad-enabled forward
   std::optional<host::HostCopy> pending_inputs;
   std::vector<host::HostCopy> pending_losses;

@@ -1,5 +1,7 @@
 // Host layer of the statistics pass: validation, tensor -> descriptor, the CPU backend's parallel
 // driver, device grouping and unpacking.
+#include "stats.cuh"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -9,7 +11,6 @@
 #include <map>
 #include <sstream>
 
-#include "stats.cuh"
 #include "stats_internal.h"
 
 namespace trainsan {
@@ -21,17 +22,28 @@ namespace {
 
 std::optional<kn::DType> to_dtype(at::ScalarType st) {
   switch (st) {
-    case at::kFloat: return kn::DType::kFloat32;
-    case at::kHalf: return kn::DType::kFloat16;
-    case at::kBFloat16: return kn::DType::kBFloat16;
-    case at::kDouble: return kn::DType::kFloat64;
-    case at::kChar: return kn::DType::kInt8;
-    case at::kShort: return kn::DType::kInt16;
-    case at::kInt: return kn::DType::kInt32;
-    case at::kLong: return kn::DType::kInt64;
-    case at::kByte: return kn::DType::kUInt8;
-    case at::kBool: return kn::DType::kBool;
-    default: return std::nullopt;
+    case at::kFloat:
+      return kn::DType::kFloat32;
+    case at::kHalf:
+      return kn::DType::kFloat16;
+    case at::kBFloat16:
+      return kn::DType::kBFloat16;
+    case at::kDouble:
+      return kn::DType::kFloat64;
+    case at::kChar:
+      return kn::DType::kInt8;
+    case at::kShort:
+      return kn::DType::kInt16;
+    case at::kInt:
+      return kn::DType::kInt32;
+    case at::kLong:
+      return kn::DType::kInt64;
+    case at::kByte:
+      return kn::DType::kUInt8;
+    case at::kBool:
+      return kn::DType::kBool;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -72,8 +84,8 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
     TORCH_CHECK_VALUE(t.defined(), fn, ": tensors[", i,
                       "] is an undefined tensor; pass only defined tensors (a parameter whose "
                       ".grad is None has no gradient to inspect)");
-    TORCH_CHECK_VALUE(t.layout() == at::kStrided, fn, ": tensors[", i, "] has layout ",
-                      t.layout(), "; only dense (strided) tensors are supported, call .to_dense()");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, fn, ": tensors[", i, "] has layout ", t.layout(),
+                      "; only dense (strided) tensors are supported, call .to_dense()");
     TORCH_CHECK_VALUE(!t.is_nested(), fn, ": tensors[", i,
                       "] is a nested tensor; pass its components (.unbind()) instead");
     TORCH_CHECK_VALUE(!t.is_quantized(), fn, ": tensors[", i,
@@ -89,16 +101,15 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
 
 static void check_one_device(const std::vector<at::Tensor>& tensors, const char* fn) {
   for (size_t i = 1; i < tensors.size(); ++i) {
-    TORCH_CHECK_VALUE(tensors[i].device() == tensors[0].device(), fn, ": tensors[", i,
-                      "] is on ", tensors[i].device(), " but tensors[0] is on ",
-                      tensors[0].device(),
+    TORCH_CHECK_VALUE(tensors[i].device() == tensors[0].device(), fn, ": tensors[", i, "] is on ",
+                      tensors[i].device(), " but tensors[0] is on ", tensors[0].device(),
                       "; this op takes tensors of one device (trainsan.tensor_stats groups a "
                       "mixed list by device for you)");
   }
 }
 
-Described describe(const std::vector<at::Tensor>& tensors,
-                   const std::vector<at::Tensor>* snapshots, const std::vector<char>* no_hash) {
+Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>* snapshots,
+                   const std::vector<char>* no_hash) {
   Described out;
   out.descs.resize(tensors.size());
   out.chunk_begin.resize(tensors.size() + 1);

@@ -29,19 +29,19 @@ PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
   // host allocator keeps it alive until the copy has run.
   const int64_t desc_bytes = n * static_cast<int64_t>(sizeof(kn::TensorDesc));
   const int64_t table_bytes = (n + 1) * static_cast<int64_t>(sizeof(int64_t));
-  at::Tensor host_buf =
-      at::empty({desc_bytes + table_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor host_buf = at::empty({desc_bytes + table_bytes},
+                                  at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* hp = host_buf.mutable_data_ptr<uint8_t>();
   std::memcpy(hp, w.descs.data(), static_cast<size_t>(desc_bytes));
   std::memcpy(hp + desc_bytes, w.chunk_begin.data(), static_cast<size_t>(table_bytes));
   at::Tensor dev_buf = host_buf.to(device, /*non_blocking=*/true);
 
   const auto opts = at::TensorOptions().device(device);
-  at::Tensor partials = at::empty(
-      {std::max<int64_t>(num_chunks, 1) * static_cast<int64_t>(sizeof(kn::StatsRecord))},
-      opts.dtype(at::kByte));
-  at::Tensor ints = at::empty({n, with_update ? kn::kIntFieldsUpdate : kn::kIntFields},
-                              opts.dtype(at::kLong));
+  at::Tensor partials =
+      at::empty({std::max<int64_t>(num_chunks, 1) * static_cast<int64_t>(sizeof(kn::StatsRecord))},
+                opts.dtype(at::kByte));
+  at::Tensor ints =
+      at::empty({n, with_update ? kn::kIntFieldsUpdate : kn::kIntFields}, opts.dtype(at::kLong));
   at::Tensor floats = at::empty({n, with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields},
                                 opts.dtype(at::kDouble));
 
@@ -91,4 +91,4 @@ void wait_host_copy(const HostCopy& copy) {
   if (copy.event) C10_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(copy.event.get())));
 }
 
-}  // namespace host
+}  // namespace trainsan::host

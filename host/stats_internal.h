@@ -13,7 +13,7 @@ namespace trainsan::host {
 // Descriptors of a list of tensors of one device, with the chunk table (Note [Chunking]).
 struct Described {
   std::vector<kernels::TensorDesc> descs;
-  std::vector<int64_t> chunk_begin;  // descs.size() + 1 entries
+  std::vector<int64_t> chunk_begin;    // descs.size() + 1 entries
   std::vector<at::Tensor> keep_alive;  // contiguous copies made for views of > kMaxDims dims
 };
 

@@ -17,11 +17,21 @@ std::string json_escape(const std::string& s) {
   out += '"';
   for (const unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -51,10 +61,11 @@ std::string trace_header_json(const Options& o, const std::string& extra, size_t
   std::ostringstream os;
   os << "{\"type\":\"header\",\"trainsan\":\"0.1.0\",\"cuda_kernels\":"
      << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
-     << ",\"options\":{\"policy\":" << json_escape(o.policy) << ",\"sync\":"
-     << (o.sync ? "true" : "false") << ",\"track_updates\":" << (o.track_updates ? "true" : "false")
-     << ",\"trace_every\":" << o.trace_every << ",\"trace_tensors\":" << json_escape(o.trace_tensors)
-     << "}";
+     << ",\"options\":{\"policy\":" << json_escape(o.policy)
+     << ",\"sync\":" << (o.sync ? "true" : "false")
+     << ",\"track_updates\":" << (o.track_updates ? "true" : "false")
+     << ",\"trace_every\":" << o.trace_every
+     << ",\"trace_tensors\":" << json_escape(o.trace_tensors) << "}";
   if (!extra.empty()) os << "," << extra;
   os << "}";
   return os.str();

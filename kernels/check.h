@@ -16,13 +16,13 @@ namespace trainsan::kernels::detail {
 
 }  // namespace trainsan::kernels::detail
 
-#define TRAINSAN_CHECK(cond, msg)                                                          \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::ostringstream trainsan_check_os_;                                               \
-      trainsan_check_os_ << msg;                                                           \
-      ::trainsan::kernels::detail::fail(__FILE__, __LINE__, trainsan_check_os_.str());     \
-    }                                                                                      \
+#define TRAINSAN_CHECK(cond, msg)                                                      \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      std::ostringstream trainsan_check_os_;                                           \
+      trainsan_check_os_ << msg;                                                       \
+      ::trainsan::kernels::detail::fail(__FILE__, __LINE__, trainsan_check_os_.str()); \
+    }                                                                                  \
   } while (0)
 
 #ifdef __CUDACC__
@@ -30,9 +30,9 @@ namespace trainsan::kernels::detail {
   do {                                                                                     \
     cudaError_t trainsan_err_ = (expr);                                                    \
     if (trainsan_err_ != cudaSuccess) {                                                    \
-      ::trainsan::kernels::detail::fail(__FILE__, __LINE__,                                \
-                                        std::string("CUDA error: ") +                      \
-                                            cudaGetErrorString(trainsan_err_) + " in " #expr); \
+      ::trainsan::kernels::detail::fail(                                                   \
+          __FILE__, __LINE__,                                                              \
+          std::string("CUDA error: ") + cudaGetErrorString(trainsan_err_) + " in " #expr); \
     }                                                                                      \
   } while (0)
 

@@ -29,7 +29,7 @@ constexpr int kMaxGrid = 1 << 20;
 
 struct CombineOp {
   __device__ __forceinline__ StatsRecord operator()(const StatsRecord& a,
-                                                     const StatsRecord& b) const {
+                                                    const StatsRecord& b) const {
     StatsRecord r = a;
     combine(r, b);
     return r;
@@ -72,8 +72,8 @@ template <typename T>
 __device__ void chunk_update(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
   T* snap = static_cast<T*>(t.snapshot) + start;
   for (int64_t i = threadIdx.x; i < count; i += kBlockSize) {
-    const T v = t.contiguous ? static_cast<const T*>(t.data)[start + i]
-                             : load_strided<T>(t, start + i);
+    const T v =
+        t.contiguous ? static_cast<const T*>(t.data)[start + i] : load_strided<T>(t, start + i);
     accumulate_update<T>(r, v, snap[i]);
     snap[i] = v;
   }
@@ -133,16 +133,34 @@ __global__ void __launch_bounds__(kBlockSize)
     StatsRecord r;
     init_record(r);
     switch (t.dtype) {
-      case DType::kFloat32: chunk_stats<float>(t, start, count, r); break;
-      case DType::kFloat16: chunk_stats<Half>(t, start, count, r); break;
-      case DType::kBFloat16: chunk_stats<BFloat16>(t, start, count, r); break;
-      case DType::kFloat64: chunk_stats<double>(t, start, count, r); break;
-      case DType::kInt8: chunk_stats<int8_t>(t, start, count, r); break;
-      case DType::kInt16: chunk_stats<int16_t>(t, start, count, r); break;
-      case DType::kInt32: chunk_stats<int32_t>(t, start, count, r); break;
-      case DType::kInt64: chunk_stats<int64_t>(t, start, count, r); break;
+      case DType::kFloat32:
+        chunk_stats<float>(t, start, count, r);
+        break;
+      case DType::kFloat16:
+        chunk_stats<Half>(t, start, count, r);
+        break;
+      case DType::kBFloat16:
+        chunk_stats<BFloat16>(t, start, count, r);
+        break;
+      case DType::kFloat64:
+        chunk_stats<double>(t, start, count, r);
+        break;
+      case DType::kInt8:
+        chunk_stats<int8_t>(t, start, count, r);
+        break;
+      case DType::kInt16:
+        chunk_stats<int16_t>(t, start, count, r);
+        break;
+      case DType::kInt32:
+        chunk_stats<int32_t>(t, start, count, r);
+        break;
+      case DType::kInt64:
+        chunk_stats<int64_t>(t, start, count, r);
+        break;
       case DType::kUInt8:
-      case DType::kBool: chunk_stats<uint8_t>(t, start, count, r); break;
+      case DType::kBool:
+        chunk_stats<uint8_t>(t, start, count, r);
+        break;
     }
     const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
     if (threadIdx.x == 0) partials[chunk] = total;

@@ -42,8 +42,7 @@ TRAINSAN_HD float half_to_float(uint16_t h) {
   const uint32_t normal_bits = ((e + 112u) << 23) | (m << 13);
   const uint32_t special_bits = 0x7f800000u | (m << 13);
   const float sub = static_cast<float>(m) * 5.9604644775390625e-08f;  // 2^-24
-  const uint32_t mag =
-      e == 0 ? bit_cast_<uint32_t>(sub) : (e == 31u ? special_bits : normal_bits);
+  const uint32_t mag = e == 0 ? bit_cast_<uint32_t>(sub) : (e == 31u ? special_bits : normal_bits);
   return bit_cast_<float>(mag | sign);
 }
 

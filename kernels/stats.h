@@ -45,8 +45,8 @@ struct TensorDesc {
   int32_t ndim;               // 1..kMaxDims (a 0-d tensor is described as [1])
   DType dtype;
   int32_t contiguous;  // 1 when element i lives at data + i * elem_size
-  int32_t no_hash;  // 1: skip the fingerprint (its field is then meaningless); saves ~2/3 of the
-                    // CPU pass's arithmetic where nobody reads the hash
+  int32_t no_hash;     // 1: skip the fingerprint (its field is then meaningless); saves ~2/3 of the
+                       // CPU pass's arithmetic where nobody reads the hash
   // Optional previous-value snapshot: numel elements of the same dtype in logical row-major order.
   // When set, the pass also computes the update statistics against it (Note [Update]) and then
   // overwrites it with the current values. Never aliases `data`.

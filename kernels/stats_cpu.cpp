@@ -11,7 +11,8 @@
 #include "stats.cuh"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TRAINSAN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define TRAINSAN_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TRAINSAN_CLONES
 #endif
@@ -20,16 +21,26 @@ namespace trainsan::kernels {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat64: return "float64";
-    case DType::kInt8: return "int8";
-    case DType::kInt16: return "int16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kUInt8: return "uint8";
-    case DType::kBool: return "bool";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kBool:
+      return "bool";
   }
   return "unknown";
 }
@@ -37,15 +48,19 @@ const char* dtype_name(DType dtype) {
 int64_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat64:
-    case DType::kInt64: return 8;
+    case DType::kInt64:
+      return 8;
     case DType::kFloat32:
-    case DType::kInt32: return 4;
+    case DType::kInt32:
+      return 4;
     case DType::kFloat16:
     case DType::kBFloat16:
-    case DType::kInt16: return 2;
+    case DType::kInt16:
+      return 2;
     case DType::kInt8:
     case DType::kUInt8:
-    case DType::kBool: return 1;
+    case DType::kBool:
+      return 1;
   }
   TRAINSAN_CHECK(false, "unknown dtype code " << static_cast<int>(dtype));
 }
@@ -267,24 +282,21 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
   }
 }
 
-TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<float, true>(p, b, n, o);
   } else {
     chunk_body<float, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_f64(const double* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_f64(const double* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<double, true>(p, b, n, o);
   } else {
     chunk_body<double, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_f16(const Half* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_f16(const Half* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<Half, true>(p, b, n, o);
   } else {
@@ -299,40 +311,35 @@ TRAINSAN_CLONES void chunk_bf16(const BFloat16* p, int64_t b, int64_t n, StatsRe
     chunk_body<BFloat16, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_i8(const int8_t* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_i8(const int8_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<int8_t, true>(p, b, n, o);
   } else {
     chunk_body<int8_t, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_i16(const int16_t* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_i16(const int16_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<int16_t, true>(p, b, n, o);
   } else {
     chunk_body<int16_t, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_i32(const int32_t* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_i32(const int32_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<int32_t, true>(p, b, n, o);
   } else {
     chunk_body<int32_t, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<int64_t, true>(p, b, n, o);
   } else {
     chunk_body<int64_t, false>(p, b, n, o);
   }
 }
-TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
+TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
   if (hash) {
     chunk_body<uint8_t, true>(p, b, n, o);
   } else {
@@ -407,27 +414,51 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
   } else {
     char* dst = static_cast<char*>(scratch);
     switch (es) {
-      case 1: gather_strided<1>(t, start, count, dst); break;
-      case 2: gather_strided<2>(t, start, count, dst); break;
-      case 4: gather_strided<4>(t, start, count, dst); break;
-      default: gather_strided<8>(t, start, count, dst); break;
+      case 1:
+        gather_strided<1>(t, start, count, dst);
+        break;
+      case 2:
+        gather_strided<2>(t, start, count, dst);
+        break;
+      case 4:
+        gather_strided<4>(t, start, count, dst);
+        break;
+      default:
+        gather_strided<8>(t, start, count, dst);
+        break;
     }
     p = dst;
   }
   const bool hash = t.no_hash == 0;
   switch (t.dtype) {
-    case DType::kFloat32: chunk_f32(reinterpret_cast<const float*>(p), start, count, out, hash); break;
-    case DType::kFloat64: chunk_f64(reinterpret_cast<const double*>(p), start, count, out, hash); break;
-    case DType::kFloat16: chunk_f16(reinterpret_cast<const Half*>(p), start, count, out, hash); break;
+    case DType::kFloat32:
+      chunk_f32(reinterpret_cast<const float*>(p), start, count, out, hash);
+      break;
+    case DType::kFloat64:
+      chunk_f64(reinterpret_cast<const double*>(p), start, count, out, hash);
+      break;
+    case DType::kFloat16:
+      chunk_f16(reinterpret_cast<const Half*>(p), start, count, out, hash);
+      break;
     case DType::kBFloat16:
       chunk_bf16(reinterpret_cast<const BFloat16*>(p), start, count, out, hash);
       break;
-    case DType::kInt8: chunk_i8(reinterpret_cast<const int8_t*>(p), start, count, out, hash); break;
-    case DType::kInt16: chunk_i16(reinterpret_cast<const int16_t*>(p), start, count, out, hash); break;
-    case DType::kInt32: chunk_i32(reinterpret_cast<const int32_t*>(p), start, count, out, hash); break;
-    case DType::kInt64: chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out, hash); break;
+    case DType::kInt8:
+      chunk_i8(reinterpret_cast<const int8_t*>(p), start, count, out, hash);
+      break;
+    case DType::kInt16:
+      chunk_i16(reinterpret_cast<const int16_t*>(p), start, count, out, hash);
+      break;
+    case DType::kInt32:
+      chunk_i32(reinterpret_cast<const int32_t*>(p), start, count, out, hash);
+      break;
+    case DType::kInt64:
+      chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out, hash);
+      break;
     case DType::kUInt8:
-    case DType::kBool: chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out, hash); break;
+    case DType::kBool:
+      chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out, hash);
+      break;
   }
   if (t.snapshot == nullptr) return;
   char* snap = static_cast<char*>(t.snapshot) + start * es;

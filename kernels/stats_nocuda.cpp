@@ -4,8 +4,8 @@
 
 namespace trainsan::kernels {
 
-void cuda_tensor_stats(const TensorDesc*, int64_t, const int64_t*, int64_t, StatsRecord*,
-                       int64_t*, double*, bool, CUstream_st*) {
+void cuda_tensor_stats(const TensorDesc*, int64_t, const int64_t*, int64_t, StatsRecord*, int64_t*,
+                       double*, bool, CUstream_st*) {
   TRAINSAN_CHECK(false,
                  "this TrainSan build has no CUDA support; rebuild with the CUDA toolkit "
                  "(TRAINSAN_WITH_CUDA=ON) to compute statistics of CUDA tensors");

@@ -31,8 +31,7 @@ std::tuple<at::Tensor, at::Tensor> tensor_stats_autograd(at::TensorList tensors)
   const c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("trainsan::tensor_stats", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(
-                                 at::TensorList)>();
+                             .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList)>();
   return op.call(tensors);
 }
 
@@ -40,8 +39,8 @@ bool cuda_compiled_op() { return trainsan::cuda_compiled(); }
 
 // Finding as a TorchScript-friendly tuple:
 // (kind, step, severity, tensor, message, value (NaN: none), count, last_step).
-using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string,
-                                double, int64_t, int64_t>;
+using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
+                                int64_t, int64_t>;
 
 std::vector<FindingTuple> to_tuples(const std::vector<trainsan::Finding>& fs) {
   std::vector<FindingTuple> out;
@@ -76,9 +75,7 @@ struct SanitizerHandle : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(trainsan, m) {
-  m.def(
-      "tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)",
-      {at::Tag::pt2_compliant_tag});
+  m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
 
   using H = c10::intrusive_ptr<SanitizerHandle>;
@@ -131,9 +128,9 @@ TORCH_LIBRARY(trainsan, m) {
         const double nan = std::nan("");
         for (int64_t r = 0; r < n; ++r) {
           const auto& s = st[r];
-          const int64_t iv[8] = {s.numel,     s.nan,  s.posinf,        s.neginf,
-                                 s.zero,      s.subnormal, s.fp16_overflow,
-                                 static_cast<int64_t>(s.hash)};
+          const int64_t iv[8] = {
+              s.numel, s.nan,       s.posinf,        s.neginf,
+              s.zero,  s.subnormal, s.fp16_overflow, static_cast<int64_t>(s.hash)};
           const double fv[5] = {s.min.value_or(nan), s.max.value_or(nan), s.absmax.value_or(nan),
                                 s.sum, s.l2};
           std::copy(iv, iv + 8, ip + r * 8);

@@ -18,14 +18,14 @@ namespace trainsan {
 
 /// One thing TrainSan found wrong (../shared/DESIGN.md, "Finding kinds").
 struct Finding {
-  std::string kind;      ///< e.g. "stale_grad"
-  int64_t step = 0;      ///< 0-based optimizer step where it was first seen
-  std::string severity;  ///< "error" or "warning"
-  std::string tensor;    ///< parameter or module name; empty when none
-  std::string message;   ///< what is wrong and what to look at
+  std::string kind;             ///< e.g. "stale_grad"
+  int64_t step = 0;             ///< 0-based optimizer step where it was first seen
+  std::string severity;         ///< "error" or "warning"
+  std::string tensor;           ///< parameter or module name; empty when none
+  std::string message;          ///< what is wrong and what to look at
   std::optional<double> value;  ///< the figure that triggered it
-  int64_t count = 1;     ///< how often it occurred (a repeat is reported once, then counted)
-  int64_t last_step = 0;  ///< the step of the latest occurrence
+  int64_t count = 1;            ///< how often it occurred (a repeat is reported once, then counted)
+  int64_t last_step = 0;        ///< the step of the latest occurrence
 };
 
 /// Raised by the "raise" policy on the first error-severity finding.
@@ -39,13 +39,13 @@ class TrainingBugError : public std::runtime_error {
 /// and update_outside_step (costs one extra pass per step). Thresholds are documented in the
 /// README ("Checks and their options").
 struct Options {
-  std::string policy = "raise";  ///< "raise", "warn" or "record"
-  std::string trace;             ///< JSON Lines trace path; empty for none
-  int64_t trace_every = 1;       ///< write a step record every N steps
+  std::string policy = "raise";       ///< "raise", "warn" or "record"
+  std::string trace;                  ///< JSON Lines trace path; empty for none
+  int64_t trace_every = 1;            ///< write a step record every N steps
   std::string trace_tensors = "all";  ///< "all", "topk" or "global"
   int64_t trace_topk = 8;             ///< tensors per step record with trace_tensors="topk"
-  bool sync = false;          ///< GPU: check at the same step (waits for the pass)
-  bool track_updates = true;  ///< keep a snapshot of the parameters for the update checks
+  bool sync = false;                  ///< GPU: check at the same step (waits for the pass)
+  bool track_updates = true;          ///< keep a snapshot of the parameters for the update checks
   /// Fingerprint (hash) every gradient and parameter at every step; by default only on steps
   /// written to the trace (no check needs them, and they are most of the CPU pass's arithmetic).
   bool fingerprints = false;
