@@ -30,6 +30,7 @@ BUGS = {
     "duplicate_batch": "the loop re-reads the first batch: next(iter(loader)) inside the loop",
     "grad_explosion": "the loss is multiplied by 1e6 from the third epoch on",
     "update_ratio": "the learning rate is 10 instead of 0.1 (updates as large as the weights)",
+    "broadcast": "a regulariser compares logsumexp [N,1] with a target [N]: an [N,N] loss",
 }
 
 
@@ -93,6 +94,9 @@ def train(bug: str | None, epochs: int, trace: str) -> trainsan.Sanitizer:
                 loss = -(torch.softmax(logits * 1e4, 1).log() * F.one_hot(yb, 10)).sum(1).mean()
             else:
                 loss = F.cross_entropy(logits, yb)
+            if bug == "broadcast":
+                lse = torch.logsumexp(logits, 1, keepdim=True)  # [N, 1]
+                loss = loss + 0.01 * F.mse_loss(lse, torch.zeros(len(yb)))  # target [N]
             if bug == "grad_explosion" and epoch >= 2:
                 loss = loss * 1e6
             san.watch_loss(loss)
