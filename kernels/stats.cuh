@@ -241,8 +241,11 @@ TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   r.fp16_overflow += c.overflow;
   if constexpr (kHash) r.hash += hash_term(static_cast<uint64_t>(Tr::bits(v)), index);
   const double d = c.finite ? static_cast<double>(x) : 0.0;
-  r.min = min_(r.min, c.finite ? d : INFINITY);
-  r.max = max_(r.max, c.finite ? d : -INFINITY);
+  // Note [Signed zero]: min and max see -0 as +0 (d + 0.0 is +0 for both zeros), so which zero
+  // they return cannot depend on the order of comparisons: CPU and GPU give the same bits.
+  const double dm = d + 0.0;
+  r.min = min_(r.min, c.finite ? dm : INFINITY);
+  r.max = max_(r.max, c.finite ? dm : -INFINITY);
   r.absmax = max_(r.absmax, d < 0 ? -d : d);
   r.sum += d;
   r.sumsq += d * d;

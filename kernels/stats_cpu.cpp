@@ -170,8 +170,9 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
             const auto bits = Tr::bits(v);
             const Acc x = Tr::value(v);
             if constexpr (decltype(count_zero)::value) c_zero[l] += (bits & Tr::kAbsMask) == 0;
-            mn[l] = x < mn[l] ? x : mn[l];
-            mx[l] = x > mx[l] ? x : mx[l];
+            const Acc xm = x + Acc(0);  // Note [Signed zero]
+            mn[l] = xm < mn[l] ? xm : mn[l];
+            mx[l] = xm > mx[l] ? xm : mx[l];
             const double d = static_cast<double>(x);
             s[l] += d;
             ss[l] += d * d;
@@ -205,8 +206,9 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
           c_sub[l] += c.subnormal;
           c_ovf[l] += c.overflow;
           const Acc xf = c.finite ? x : Acc(0);
-          const Acc xlo = c.finite ? x : std::numeric_limits<Acc>::infinity();
-          const Acc xhi = c.finite ? x : -std::numeric_limits<Acc>::infinity();
+          const Acc xm = x + Acc(0);  // Note [Signed zero]
+          const Acc xlo = c.finite ? xm : std::numeric_limits<Acc>::infinity();
+          const Acc xhi = c.finite ? xm : -std::numeric_limits<Acc>::infinity();
           mn[l] = xlo < mn[l] ? xlo : mn[l];
           mx[l] = xhi > mx[l] ? xhi : mx[l];
           const double d = static_cast<double>(xf);

@@ -234,3 +234,14 @@ def test_opcheck_empty_list():
 def test_opcheck_empty_list_fake():
     torch.library.opcheck(torch.ops.trainsan.tensor_stats.default, ([],),
                           test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_signed_zero_min_max_are_order_independent(dtype):
+    """Note [Signed zero]: min/max treat -0 as +0, so the bits do not depend on element order."""
+    import math
+
+    for values in ([-0.0, 0.0], [0.0, -0.0], [-0.0] * 100 + [0.0] * 100, [-0.0] * 70000):
+        (s,) = trainsan.tensor_stats([torch.tensor(values, dtype=dtype)])
+        assert s.min == 0.0 and s.max == 0.0 and s.absmax == 0.0
+        assert math.copysign(1.0, s.min) == 1.0 and math.copysign(1.0, s.max) == 1.0
