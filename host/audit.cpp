@@ -1008,8 +1008,7 @@ std::vector<Finding> OpAudit::take() {
   std::vector<Finding> out;
   out.swap(c.fresh);
   if (c.owner != nullptr) {
-    c.owner->overhead_s += c.overhead_s;
-    c.owner->step_overhead_s += c.overhead_s;
+    c.owner->add_overhead(c.overhead_s);
   }
   c.overhead_s = 0.0;
   return out;

@@ -74,6 +74,15 @@ std::string nonfinite_text(const TensorStats& s) {
 
 }  // namespace
 
+std::vector<Finding> SanitizerImpl::check_loss(const TensorStats& s, int64_t at_step) {
+  if (s.nonfinite() == 0) return {};
+  return add("nonfinite_loss", "",
+             "the loss holds " + nonfinite_text(s) +
+                 " — check the model outputs and the loss inputs (log of 0, division by 0, too "
+                 "large a learning rate in the previous step)",
+             static_cast<double>(s.nonfinite()), at_step);
+}
+
 std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   TRAINSAN_NVTX_RANGE("trainsan/checks");
   const auto t0 = std::chrono::steady_clock::now();
@@ -90,14 +99,8 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   // --- losses and inputs queued during the step ---
   for (const auto& lc : p.losses) {
     host::wait_host_copy(lc);
-    const TensorStats s = unpack_stats(lc.host)[0];
-    if (s.nonfinite() > 0) {
-      emit("nonfinite_loss", "",
-           "the loss holds " + nonfinite_text(s) +
-               " — check the model outputs and the loss inputs (log of 0, division by 0, too "
-               "large a learning rate in the previous step)",
-           static_cast<double>(s.nonfinite()));
-    }
+    const auto fs = check_loss(unpack_stats(lc.host)[0], p.step);
+    out.insert(out.end(), fs.begin(), fs.end());
   }
   if (p.inputs) {
     host::wait_host_copy(*p.inputs);
@@ -347,8 +350,7 @@ std::vector<Finding> SanitizerImpl::check_pass(PendingPass& p) {
   }
   const double check_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  overhead_s += check_s;
-  step_overhead_s += check_s;
+  add_overhead(check_s);
   if (trace.is_open() && p.step % opts.trace_every == 0) {
     std::ostringstream g;
     g << "\"grad_norm\":" << json_number(grad_norm) << ",\"param_norm\":" << json_number(param_norm)

@@ -354,8 +354,7 @@ std::vector<Finding> SanitizerImpl::on_forward(bool grad_enabled, bool training,
       }
     }
   }
-  overhead_s += seconds_since(t0);
-  step_overhead_s += seconds_since(t0);
+  add_overhead(seconds_since(t0));
   if (grad_enabled && training) audit->begin_forward();  // last: TrainSan's own ops stay out
   return out;
 }
@@ -402,21 +401,11 @@ std::vector<Finding> SanitizerImpl::on_loss(const at::Tensor& loss) {
   host::HostCopy copy = host::start_host_copy(tensor_stats_packed({loss.detach()}));
   if (!copy.event || opts.sync) {
     host::wait_host_copy(copy);
-    const TensorStats s = unpack_stats(copy.host)[0];
-    if (s.nonfinite() > 0) {
-      append(out, add("nonfinite_loss", "",
-                      "the loss holds " + std::to_string(s.nan) + " NaN, " +
-                          std::to_string(s.posinf) + " +Inf and " + std::to_string(s.neginf) +
-                          " -Inf values of " + std::to_string(s.numel) +
-                          " — check the model outputs and the loss inputs (log of 0, "
-                          "division by 0, too large a learning rate in the previous step)",
-                      static_cast<double>(s.nonfinite())));
-    }
+    append(out, check_loss(unpack_stats(copy.host)[0], step));
   } else {
     pending_losses.push_back(std::move(copy));
   }
-  overhead_s += seconds_since(t0);
-  step_overhead_s += seconds_since(t0);
+  add_overhead(seconds_since(t0));
   return out;
 }
 
@@ -461,8 +450,7 @@ std::vector<Finding> SanitizerImpl::on_step_begin(int64_t opt) {
                       std::nullopt));
     }
   }
-  overhead_s += seconds_since(t0);
-  step_overhead_s += seconds_since(t0);
+  add_overhead(seconds_since(t0));
   return out;
 }
 
@@ -484,14 +472,12 @@ void SanitizerImpl::on_amp_skip(int64_t opt) {
 
 std::vector<Finding> SanitizerImpl::on_step_end(int64_t opt, bool lr_zero,
                                                 double extra_overhead_s) {
-  overhead_s += extra_overhead_s;
-  step_overhead_s += extra_overhead_s;
+  add_overhead(extra_overhead_s);
   return run_pass(opt, lr_zero, /*manual=*/false);
 }
 
 std::vector<Finding> SanitizerImpl::on_manual_boundary(double extra_overhead_s) {
-  overhead_s += extra_overhead_s;
-  step_overhead_s += extra_overhead_s;
+  add_overhead(extra_overhead_s);
   bool any = false;
   {
     const std::lock_guard<std::mutex> lock(mu);
@@ -635,8 +621,7 @@ std::vector<Finding> SanitizerImpl::run_pass(int64_t opt, bool lr_zero, bool man
     if (pending) append(out, check_pass(*pending));
     pending = std::move(p);
   }
-  overhead_s += seconds_since(t0);
-  step_overhead_s += seconds_since(t0);
+  add_overhead(seconds_since(t0));
   return out;
 }
 

@@ -169,7 +169,13 @@ struct SanitizerImpl {
                            int64_t at_step = -1);
   std::vector<Finding> run_pass(int64_t opt, bool lr_zero, bool manual);
   std::vector<Finding> check_between_steps();
-  std::vector<Finding> check_pass(PendingPass& p);  // checks.cpp
+  std::vector<Finding> check_pass(PendingPass& p);                         // checks.cpp
+  std::vector<Finding> check_loss(const TensorStats& s, int64_t at_step);  // checks.cpp
+  // TrainSan's own time: the run total and the part since the last step record.
+  void add_overhead(double s) {
+    overhead_s += s;
+    step_overhead_s += s;
+  }
   void write_trace_line(const std::string& json);
 };
 
