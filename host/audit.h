@@ -1,6 +1,8 @@
 // Op-level audits of the training forward: `broadcast`, `label_range` and `batch_mismatch`
-// (Note [Op audit] in audit.cpp). One process-wide ATen RecordFunction observer serves every
-// sanitizer; it is switched on only while some sanitizer audits a sampled step.
+// (Note [Op audit] in audit/observer.cpp). One process-wide ATen RecordFunction observer serves
+// every sanitizer; it is switched on only while some sanitizer audits a sampled step. The audit
+// writes its findings into a FindingSink and ships device-side label checks through the
+// ReadbackQueue; it knows nothing else of the sanitizer.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,54 +13,79 @@
 #include <string>
 #include <vector>
 
-#include "trainsan/sanitizer.h"
-
 namespace trainsan {
 
-struct SanitizerImpl;
+namespace host {
+
+class FindingSink;
+class ReadbackQueue;
 
 namespace audit {
 struct Core;
 }  // namespace audit
 
-// The audit state of one sanitizer. Every method but stop() is called from the training loop's
-// thread (the SanitizerImpl events); stop() may come from an autograd engine thread.
+/// What the audit needs of the sanitizer's options, fixed at construction.
+struct AuditConfig {
+  /// The kinds switched on.
+  bool broadcast = false;
+  bool label_range = false;
+  bool batch_mismatch = false;
+  /// Read CUDA targets at once instead of shipping their flags.
+  bool sync = false;
+  /// Print a finding at once when its op is likely to fail (the policy is not "record").
+  bool print_failing = false;
+  /// Sampled steps: the first `first_steps` (audit_first_steps), then every `every`-th
+  /// (audit_every; <= 0: none).
+  int64_t first_steps = 0;
+  int64_t every = 0;
+  /// Path substrings of the Python frames that are not the user's code (source_location.h).
+  std::vector<std::string> skip_frames;
+};
+
+/// The audit state of one sanitizer. Every method but stop() is called from the training loop's
+/// thread; stop() may come from an autograd engine thread. The sink and the queue must outlive
+/// the OpAudit (the observer, which may outlive it, stops using them in ~OpAudit).
 class OpAudit {
  public:
-  explicit OpAudit(SanitizerImpl& owner);
+  OpAudit(FindingSink& sink, ReadbackQueue& readback, AuditConfig cfg);
   ~OpAudit();
   OpAudit(const OpAudit&) = delete;
   OpAudit& operator=(const OpAudit&) = delete;
 
-  // A training forward starts on this thread: observe its ops (and the loss computation after
-  // it) when the step is sampled (audit_first_steps, audit_every) and an audit kind is on.
-  void begin_forward();
-  // Stop observing: the first gradient hook of the step (backward has started), the step end,
-  // close(). Cheap when not auditing.
+  /// A training forward of `step` starts on this thread: observe its ops (and the loss
+  /// computation after it) when the step is sampled (first_steps, every) and an audit kind is
+  /// on. Findings of the callbacks are recorded in the sink at once, with this step.
+  void begin_forward(int64_t step);
+  /// Stop observing: the first gradient hook of the step (backward has started), the step end,
+  /// close(). Cheap when not auditing.
   void stop();
   bool auditing() const;
-  // Findings the observer recorded since the last call, for the caller's policy.
-  std::vector<Finding> take();
-  // Step end: stop, then read the device-side label checks (those of this step with sync, of
-  // the previous step otherwise, so that the stream never waits).
-  std::vector<Finding> step_end();
-  // Stop, read every pending device check and drop this sanitizer's claim on the observer (the
-  // observer is removed when the last open sanitizer closes). Idempotent.
-  std::vector<Finding> close();
+  /// A sanitizer event on the training thread (forward, watch_loss): record what the audit holds
+  /// back, a broadcast_tensors whose result no loss took, so that it reaches this event's policy.
+  void flush();
+  /// Seconds spent in op callbacks since the last call.
+  double take_overhead();
+  /// Step end: stop, flush, and ship this step's device-side label checks into the read-back
+  /// queue (Phase::kLabels), whose drain reports them.
+  void step_end();
+  /// Stop, flush, ship what is pending and drop this sanitizer's claim on the observer (the
+  /// observer is removed when the last open sanitizer closes). Idempotent.
+  void close();
 
-  // Checks a class-index target now, before the op runs (the Python layer's sync path), and
-  // returns the findings that are new; they are not returned again by take(). `input` may be
-  // undefined (one_hot); num_classes < 0 takes the class count from `input`.
-  std::vector<Finding> check_target(const std::string& op, const at::Tensor& input,
-                                    const at::Tensor& target, std::optional<int64_t> ignore_index,
-                                    int64_t num_classes);
+  /// Checks a class-index target of `step` now, before the op runs (the Python layer's sync
+  /// path); findings go to the sink. `input` may be undefined (one_hot); num_classes < 0 takes
+  /// the class count from `input`.
+  void check_target(const std::string& op, const at::Tensor& input, const at::Tensor& target,
+                    std::optional<int64_t> ignore_index, int64_t num_classes, int64_t step);
 
  private:
   std::shared_ptr<audit::Core> core_;
 };
 
-// True while the process-wide observer is registered (between the first audited step of any
-// sanitizer and the close() of the last open one). For tests.
+}  // namespace host
+
+/// True while the process-wide observer is registered (between the first audited step of any
+/// sanitizer and the close() of the last open one). For tests.
 bool audit_observer_registered();
 
 }  // namespace trainsan

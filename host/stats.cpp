@@ -296,6 +296,38 @@ std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
   return out;
 }
 
+PackedStats pack_stats(const std::vector<TensorStats>& stats) {
+  const auto n = static_cast<int64_t>(stats.size());
+  at::Tensor ints = at::empty({n, kn::kIntFields}, at::kLong);
+  at::Tensor floats = at::empty({n, kn::kFloatFields}, at::kDouble);
+  int64_t* ip = ints.mutable_data_ptr<int64_t>();
+  double* fp = floats.mutable_data_ptr<double>();
+  const double nan = std::nan("");
+  for (size_t t = 0; t < stats.size(); ++t) {
+    const TensorStats& s = stats[t];
+    int64_t* r = ip + t * kn::kIntFields;
+    double* f = fp + t * kn::kFloatFields;
+    r[0] = s.numel;
+    r[1] = s.nan;
+    r[2] = s.posinf;
+    r[3] = s.neginf;
+    r[4] = s.zero;
+    r[5] = s.subnormal;
+    r[6] = s.fp16_overflow;
+    r[7] = static_cast<int64_t>(s.hash);
+    f[0] = s.min.value_or(nan);
+    f[1] = s.max.value_or(nan);
+    f[2] = s.absmax.value_or(nan);
+    f[3] = s.sum;
+    f[4] = s.l2;
+  }
+  return {ints, floats};
+}
+
+PackedStats tensor_stats_packed_shapes(const std::vector<at::Tensor>& tensors) {
+  return host::packed_meta(tensors);
+}
+
 std::vector<TensorStats> tensor_stats(const std::vector<at::Tensor>& tensors) {
   host::check_tensors(tensors, "tensor_stats");
   // One pass per device, launched for every device before any result is read.

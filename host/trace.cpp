@@ -1,15 +1,18 @@
 // JSON Lines trace records.
 #include "trace.h"
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <sstream>
 
-#include "sanitizer_impl.h"
 #include "stats.h"
+#include "trainsan/version.h"
 
-namespace trainsan {
+namespace trainsan::host {
 
 std::string json_escape(const std::string& s) {
   std::string out;
@@ -53,38 +56,11 @@ std::string json_number(double v) {
   return buf;
 }
 
-static std::string opt_number(const std::optional<double>& v) {
-  return v ? json_number(*v) : "null";
-}
+namespace {
 
-std::string trace_header_json(const Options& o, const std::string& extra, size_t num_params) {
-  std::ostringstream os;
-  os << "{\"type\":\"header\",\"trainsan\":\"0.1.0\",\"cuda_kernels\":"
-     << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
-     << ",\"options\":{\"policy\":" << json_escape(o.policy)
-     << ",\"sync\":" << (o.sync ? "true" : "false")
-     << ",\"track_updates\":" << (o.track_updates ? "true" : "false")
-     << ",\"trace_every\":" << o.trace_every
-     << ",\"trace_tensors\":" << json_escape(o.trace_tensors) << "}";
-  if (!extra.empty()) os << "," << extra;
-  os << "}";
-  return os.str();
-}
+std::string opt_number(const std::optional<double>& v) { return v ? json_number(*v) : "null"; }
 
-std::string finding_json(const Finding& f) {
-  std::ostringstream os;
-  os << "{\"type\":\"finding\",\"kind\":" << json_escape(f.kind) << ",\"step\":" << f.step
-     << ",\"severity\":" << json_escape(f.severity)
-     << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
-     << ",\"message\":" << json_escape(f.message) << ",\"value\":" << opt_number(f.value) << "}";
-  return os.str();
-}
-
-std::string amp_skip_json(int64_t step, int64_t opt) {
-  std::ostringstream os;
-  os << "{\"type\":\"amp_skip\",\"step\":" << step << ",\"optimizer\":" << opt << "}";
-  return os.str();
-}
+}  // namespace
 
 std::string stats_json(const TensorStats& st) {
   std::ostringstream os;
@@ -97,39 +73,109 @@ std::string stats_json(const TensorStats& st) {
   return os.str();
 }
 
-std::string step_json(const SanitizerImpl& s, const PendingPass& p, const std::string& global,
-                      const std::string& tensors, double overhead_s) {
+TraceWriter::TraceWriter(const Options& opts, const std::string& extra, size_t num_params)
+    : opts_(opts) {
+  if (opts.trace.empty()) return;
+  out_.open(opts.trace, std::ios::out | std::ios::trunc);
+  TORCH_CHECK_VALUE(out_.is_open(), "trainsan: cannot open the trace file '", opts.trace,
+                    "' for writing; check that its directory exists and is writable");
   std::ostringstream os;
-  os << "{\"type\":\"step\",\"step\":" << p.step << ",\"optimizer\":" << p.opt
-     << ",\"lr_zero\":" << (p.lr_zero ? "true" : "false")
-     << ",\"overhead_ms\":" << json_number(overhead_s * 1e3) << ",\"global\":{" << global << "}";
-  if (!tensors.empty()) os << ",\"tensors\":{" << tensors << "}";
+  os << "{\"type\":\"header\",\"trainsan\":\"" TRAINSAN_VERSION "\",\"cuda_kernels\":"
+     << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
+     << ",\"options\":" << opts.to_json();
+  if (!extra.empty()) os << "," << extra;
   os << "}";
-  return os.str();
+  line(os.str());
 }
 
-std::string summary_json(const SanitizerImpl& s) {
-  std::map<std::string, int64_t> counts;
-  for (const auto& f : s.findings) counts[f.kind] += f.count;
+void TraceWriter::line(const std::string& json) {
+  if (!out_.is_open()) return;
+  out_ << json << '\n';
+  out_.flush();
+}
+
+void TraceWriter::finding(const Finding& f) {
   std::ostringstream os;
-  os << "{\"type\":\"summary\",\"steps\":" << s.step << ",\"amp_skips\":" << s.amp_skips
-     << ",\"overhead_ms_total\":" << json_number(s.overhead_s * 1e3) << ",\"findings\":{";
-  bool first = true;
+  os << "{\"type\":\"finding\",\"kind\":" << json_escape(f.kind) << ",\"step\":" << f.step
+     << ",\"severity\":" << json_escape(f.severity)
+     << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
+     << ",\"message\":" << json_escape(f.message) << ",\"value\":" << opt_number(f.value) << "}";
+  line(os.str());
+}
+
+void TraceWriter::amp_skip(int64_t step, int64_t opt) {
+  std::ostringstream os;
+  os << "{\"type\":\"amp_skip\",\"step\":" << step << ",\"optimizer\":" << opt << "}";
+  line(os.str());
+}
+
+void TraceWriter::step(const StepRecord& r) {
+  if (!out_.is_open()) return;
+  const StepTotals& t = r.totals;
+  std::ostringstream os;
+  os << "{\"type\":\"step\",\"step\":" << r.step << ",\"optimizer\":" << r.opt
+     << ",\"lr_zero\":" << (r.lr_zero ? "true" : "false")
+     << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3)
+     << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
+     << ",\"param_norm\":" << json_number(t.param_norm)
+     << ",\"update_norm\":" << json_number(t.update_norm)
+     << ",\"update_ratio\":" << json_number(t.update_ratio) << ",\"changed\":" << t.changed
+     << ",\"nonfinite_grad\":" << (t.any_nonfinite_grad ? "true" : "false") << "}";
+  if (opts_.trace_tensors != "global" && !r.tensors.empty()) {
+    std::vector<const TensorRecord*> order;
+    for (const TensorRecord& tr : r.tensors) order.push_back(&tr);
+    if (opts_.trace_tensors == "topk") {
+      std::stable_sort(
+          order.begin(), order.end(),
+          [](const TensorRecord* a, const TensorRecord* b) { return a->sort_key > b->sort_key; });
+      if (order.size() > static_cast<size_t>(opts_.trace_topk)) order.resize(opts_.trace_topk);
+    }
+    os << ",\"tensors\":{";
+    const char* sep = "";
+    for (const TensorRecord* tr : order) {
+      os << sep << json_escape(tr->name) << ":{\"param\":" << stats_json(tr->param);
+      if (tr->grad) os << ",\"grad\":" << stats_json(*tr->grad);
+      if (tr->update) {
+        os << ",\"update\":{\"l2\":" << json_number(tr->update->l2)
+           << ",\"max\":" << json_number(tr->update->max) << ",\"changed\":" << tr->update->changed
+           << "}";
+      }
+      os << "}";
+      sep = ",";
+    }
+    os << "}";
+  }
+  os << "}";
+  line(os.str());
+}
+
+void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
+                          const std::vector<Finding>& findings) {
+  std::map<std::string, int64_t> counts;
+  for (const auto& f : findings) counts[f.kind] += f.count;
+  std::ostringstream os;
+  os << "{\"type\":\"summary\",\"steps\":" << steps << ",\"amp_skips\":" << amp_skips
+     << ",\"overhead_ms_total\":" << json_number(overhead_s * 1e3) << ",\"findings\":{";
+  const char* sep = "";
   for (const auto& [k, n] : counts) {
-    os << (first ? "" : ",") << json_escape(k) << ":" << n;
-    first = false;
+    os << sep << json_escape(k) << ":" << n;
+    sep = ",";
   }
   os << "},\"unique_findings\":[";
-  first = true;
-  for (const auto& f : s.findings) {
-    os << (first ? "" : ",") << "{\"kind\":" << json_escape(f.kind)
+  sep = "";
+  for (const auto& f : findings) {
+    os << sep << "{\"kind\":" << json_escape(f.kind)
        << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
        << ",\"first_step\":" << f.step << ",\"last_step\":" << f.last_step
        << ",\"count\":" << f.count << "}";
-    first = false;
+    sep = ",";
   }
   os << "]}";
-  return os.str();
+  line(os.str());
 }
 
-}  // namespace trainsan
+void TraceWriter::close() {
+  if (out_.is_open()) out_.close();
+}
+
+}  // namespace trainsan::host

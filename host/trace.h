@@ -1,27 +1,68 @@
-// JSON Lines trace records (../shared/DESIGN.md, "Trace"). Each function returns one line.
+// The JSON Lines trace (../shared/DESIGN.md, "Trace"): a writer of plain records. It knows no
+// sanitizer state: the sanitizer hands it a StepRecord and findings.
 #pragma once
 
 #include <cstdint>
+#include <fstream>
+#include <optional>
 #include <string>
+#include <vector>
 
-#include "trainsan/sanitizer.h"
+#include "checks/check.h"
+#include "trainsan/finding.h"
+#include "trainsan/options.h"
+#include "trainsan/tensor_stats.h"
 
-namespace trainsan {
-
-struct SanitizerImpl;
-struct PendingPass;
+namespace trainsan::host {
 
 std::string json_escape(const std::string& s);
 std::string json_number(double v);  // null for NaN/Inf, which JSON cannot hold
-
-// `extra` is a JSON object body (without braces) from the caller, e.g. the Python layer's
-// provenance fields; it may be empty.
-std::string trace_header_json(const Options& opts, const std::string& extra, size_t num_params);
-std::string finding_json(const Finding& f);
-std::string amp_skip_json(int64_t step, int64_t opt);
-std::string step_json(const SanitizerImpl& s, const PendingPass& p, const std::string& global,
-                      const std::string& tensors, double overhead_s);
 std::string stats_json(const TensorStats& st);
-std::string summary_json(const SanitizerImpl& s);
 
+struct TensorRecord {
+  std::string name;
+  TensorStats param;
+  std::optional<TensorStats> grad;
+  std::optional<UpdateStats> update;
+  double sort_key = 0.0;  // trace_tensors="topk": the largest first (grad norm, Inf if non-finite)
+};
+
+/// One step record: the step's global figures and its tensors (all; the writer applies
+/// trace_tensors / trace_topk).
+struct StepRecord {
+  int64_t step = 0;
+  int64_t opt = -1;
+  bool lr_zero = false;
+  double overhead_s = 0.0;
+  StepTotals totals;
+  std::vector<TensorRecord> tensors;
+};
+
+class TraceWriter {
+ public:
+  /// Opens (truncates) `path` and writes the header; an empty path writes nothing.
+  /// `extra` is a JSON object body (without braces) from the caller, e.g. the Python layer's
+  /// provenance fields; it may be empty.
+  TraceWriter(const Options& opts, const std::string& extra, size_t num_params);
+  bool is_open() const { return out_.is_open(); }
+  /// Whether step `step` gets a step record (trace_every).
+  bool traces(int64_t step) const { return is_open() && step % opts_.trace_every == 0; }
+  void finding(const Finding& f);
+  void step(const StepRecord& r);
+  void amp_skip(int64_t step, int64_t opt);
+  void summary(int64_t steps, int64_t amp_skips, double overhead_s,
+               const std::vector<Finding>& findings);
+  void close();
+
+ private:
+  void line(const std::string& json);
+  const Options& opts_;
+  std::ofstream out_;
+};
+
+}  // namespace trainsan::host
+
+namespace trainsan {
+using host::json_escape;
+using host::json_number;
 }  // namespace trainsan

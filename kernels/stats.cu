@@ -10,6 +10,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "check.h"
+#include "dispatch.h"
 #include "nvtx.h"
 #include "stats.cuh"
 
@@ -132,36 +133,7 @@ __global__ void __launch_bounds__(kBlockSize)
     const int64_t count = min(kChunkSize, t.numel - start);
     StatsRecord r;
     init_record(r);
-    switch (t.dtype) {
-      case DType::kFloat32:
-        chunk_stats<float>(t, start, count, r);
-        break;
-      case DType::kFloat16:
-        chunk_stats<Half>(t, start, count, r);
-        break;
-      case DType::kBFloat16:
-        chunk_stats<BFloat16>(t, start, count, r);
-        break;
-      case DType::kFloat64:
-        chunk_stats<double>(t, start, count, r);
-        break;
-      case DType::kInt8:
-        chunk_stats<int8_t>(t, start, count, r);
-        break;
-      case DType::kInt16:
-        chunk_stats<int16_t>(t, start, count, r);
-        break;
-      case DType::kInt32:
-        chunk_stats<int32_t>(t, start, count, r);
-        break;
-      case DType::kInt64:
-        chunk_stats<int64_t>(t, start, count, r);
-        break;
-      case DType::kUInt8:
-      case DType::kBool:
-        chunk_stats<uint8_t>(t, start, count, r);
-        break;
-    }
+    TRAINSAN_DISPATCH_DTYPE_DEVICE(t.dtype, T, chunk_stats<T>(t, start, count, r));
     const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
     if (threadIdx.x == 0) partials[chunk] = total;
     __syncthreads();  // temp is reused by the next chunk of this block

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "check.h"
+#include "dispatch.h"
 #include "stats.cuh"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -284,85 +285,42 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
   }
 }
 
-TRAINSAN_CLONES void chunk_f32(const float* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<float, true>(p, b, n, o);
-  } else {
-    chunk_body<float, false>(p, b, n, o);
+// The entry points of the inner loops, one per element type, each compiled per target
+// (TRAINSAN_CLONES): GCC does not clone templates, so the templates are wrapped in plain
+// overloads. The integer updates are not cloned (update_chunk's template below).
+#define TRAINSAN_CLONED_CHUNK(T)                                                            \
+  TRAINSAN_CLONES void chunk(const T* p, int64_t b, int64_t n, StatsRecord* o, bool hash) { \
+    if (hash) {                                                                             \
+      chunk_body<T, true>(p, b, n, o);                                                      \
+    } else {                                                                                \
+      chunk_body<T, false>(p, b, n, o);                                                     \
+    }                                                                                       \
   }
-}
-TRAINSAN_CLONES void chunk_f64(const double* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<double, true>(p, b, n, o);
-  } else {
-    chunk_body<double, false>(p, b, n, o);
+#define TRAINSAN_CLONED_UPDATE(T)                                                  \
+  TRAINSAN_CLONES void update_chunk(const T* p, T* s, int64_t n, StatsRecord* o) { \
+    update_body<T>(p, s, n, o);                                                    \
   }
-}
-TRAINSAN_CLONES void chunk_f16(const Half* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<Half, true>(p, b, n, o);
-  } else {
-    chunk_body<Half, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_bf16(const BFloat16* p, int64_t b, int64_t n, StatsRecord* o,
-                                bool hash) {
-  if (hash) {
-    chunk_body<BFloat16, true>(p, b, n, o);
-  } else {
-    chunk_body<BFloat16, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_i8(const int8_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<int8_t, true>(p, b, n, o);
-  } else {
-    chunk_body<int8_t, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_i16(const int16_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<int16_t, true>(p, b, n, o);
-  } else {
-    chunk_body<int16_t, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_i32(const int32_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<int32_t, true>(p, b, n, o);
-  } else {
-    chunk_body<int32_t, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_i64(const int64_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<int64_t, true>(p, b, n, o);
-  } else {
-    chunk_body<int64_t, false>(p, b, n, o);
-  }
-}
-TRAINSAN_CLONES void chunk_u8(const uint8_t* p, int64_t b, int64_t n, StatsRecord* o, bool hash) {
-  if (hash) {
-    chunk_body<uint8_t, true>(p, b, n, o);
-  } else {
-    chunk_body<uint8_t, false>(p, b, n, o);
-  }
-}
 
-TRAINSAN_CLONES void update_f32(const float* p, float* s, int64_t n, StatsRecord* o) {
-  update_body<float>(p, s, n, o);
-}
-TRAINSAN_CLONES void update_f64(const double* p, double* s, int64_t n, StatsRecord* o) {
-  update_body<double>(p, s, n, o);
-}
-TRAINSAN_CLONES void update_f16(const Half* p, Half* s, int64_t n, StatsRecord* o) {
-  update_body<Half>(p, s, n, o);
-}
-TRAINSAN_CLONES void update_bf16(const BFloat16* p, BFloat16* s, int64_t n, StatsRecord* o) {
-  update_body<BFloat16>(p, s, n, o);
-}
+TRAINSAN_CLONED_CHUNK(float)
+TRAINSAN_CLONED_CHUNK(double)
+TRAINSAN_CLONED_CHUNK(Half)
+TRAINSAN_CLONED_CHUNK(BFloat16)
+TRAINSAN_CLONED_CHUNK(int8_t)
+TRAINSAN_CLONED_CHUNK(int16_t)
+TRAINSAN_CLONED_CHUNK(int32_t)
+TRAINSAN_CLONED_CHUNK(int64_t)
+TRAINSAN_CLONED_CHUNK(uint8_t)
+TRAINSAN_CLONED_UPDATE(float)
+TRAINSAN_CLONED_UPDATE(double)
+TRAINSAN_CLONED_UPDATE(Half)
+TRAINSAN_CLONED_UPDATE(BFloat16)
+#undef TRAINSAN_CLONED_CHUNK
+#undef TRAINSAN_CLONED_UPDATE
+
+// Integer updates: overload resolution prefers the exact non-template overloads above for the
+// floating types.
 template <typename T>
-void update_generic(const T* p, T* s, int64_t n, StatsRecord* o) {
+void update_chunk(const T* p, T* s, int64_t n, StatsRecord* o) {
   update_body<T>(p, s, n, o);
 }
 
@@ -432,74 +390,13 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
     p = dst;
   }
   const bool hash = t.no_hash == 0;
-  switch (t.dtype) {
-    case DType::kFloat32:
-      chunk_f32(reinterpret_cast<const float*>(p), start, count, out, hash);
-      break;
-    case DType::kFloat64:
-      chunk_f64(reinterpret_cast<const double*>(p), start, count, out, hash);
-      break;
-    case DType::kFloat16:
-      chunk_f16(reinterpret_cast<const Half*>(p), start, count, out, hash);
-      break;
-    case DType::kBFloat16:
-      chunk_bf16(reinterpret_cast<const BFloat16*>(p), start, count, out, hash);
-      break;
-    case DType::kInt8:
-      chunk_i8(reinterpret_cast<const int8_t*>(p), start, count, out, hash);
-      break;
-    case DType::kInt16:
-      chunk_i16(reinterpret_cast<const int16_t*>(p), start, count, out, hash);
-      break;
-    case DType::kInt32:
-      chunk_i32(reinterpret_cast<const int32_t*>(p), start, count, out, hash);
-      break;
-    case DType::kInt64:
-      chunk_i64(reinterpret_cast<const int64_t*>(p), start, count, out, hash);
-      break;
-    case DType::kUInt8:
-    case DType::kBool:
-      chunk_u8(reinterpret_cast<const uint8_t*>(p), start, count, out, hash);
-      break;
-  }
+  TRAINSAN_DISPATCH_DTYPE(t.dtype, T,
+                          chunk(reinterpret_cast<const T*>(p), start, count, out, hash));
   if (t.snapshot == nullptr) return;
   char* snap = static_cast<char*>(t.snapshot) + start * es;
-  switch (t.dtype) {
-    case DType::kFloat32:
-      update_f32(reinterpret_cast<const float*>(p), reinterpret_cast<float*>(snap), count, out);
-      break;
-    case DType::kFloat64:
-      update_f64(reinterpret_cast<const double*>(p), reinterpret_cast<double*>(snap), count, out);
-      break;
-    case DType::kFloat16:
-      update_f16(reinterpret_cast<const Half*>(p), reinterpret_cast<Half*>(snap), count, out);
-      break;
-    case DType::kBFloat16:
-      update_bf16(reinterpret_cast<const BFloat16*>(p), reinterpret_cast<BFloat16*>(snap), count,
-                  out);
-      break;
-    case DType::kInt8:
-      update_generic(reinterpret_cast<const int8_t*>(p), reinterpret_cast<int8_t*>(snap), count,
-                     out);
-      break;
-    case DType::kInt16:
-      update_generic(reinterpret_cast<const int16_t*>(p), reinterpret_cast<int16_t*>(snap), count,
-                     out);
-      break;
-    case DType::kInt32:
-      update_generic(reinterpret_cast<const int32_t*>(p), reinterpret_cast<int32_t*>(snap), count,
-                     out);
-      break;
-    case DType::kInt64:
-      update_generic(reinterpret_cast<const int64_t*>(p), reinterpret_cast<int64_t*>(snap), count,
-                     out);
-      break;
-    case DType::kUInt8:
-    case DType::kBool:
-      update_generic(reinterpret_cast<const uint8_t*>(p), reinterpret_cast<uint8_t*>(snap), count,
-                     out);
-      break;
-  }
+  TRAINSAN_DISPATCH_DTYPE(
+      t.dtype, T,
+      update_chunk(reinterpret_cast<const T*>(p), reinterpret_cast<T*>(snap), count, out));
 }
 
 void combine_records(const StatsRecord* parts, int64_t n, StatsRecord* out) {

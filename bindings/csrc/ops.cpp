@@ -1,5 +1,6 @@
 // The op library behind the Python package: TORCH_LIBRARY ops callable as torch.ops.trainsan.*,
 // loaded with torch.ops.load_library (no Python C API, so one build serves every Python version).
+// It binds the public C++ API (trainsan/trainsan.h) and nothing else of host/.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -8,10 +9,7 @@
 
 #include <cmath>
 
-#include "audit.h"
-#include "sanitizer_impl.h"
-#include "stats_internal.h"
-#include "trainsan/stats.h"
+#include "trainsan/trainsan.h"
 
 namespace {
 
@@ -21,7 +19,7 @@ std::tuple<at::Tensor, at::Tensor> tensor_stats_op(at::TensorList tensors) {
 }
 
 std::tuple<at::Tensor, at::Tensor> tensor_stats_meta(at::TensorList tensors) {
-  const trainsan::PackedStats p = trainsan::host::packed_meta(tensors.vec());
+  const trainsan::PackedStats p = trainsan::tensor_stats_packed_shapes(tensors.vec());
   return {p.ints, p.floats};
 }
 
@@ -37,38 +35,86 @@ std::tuple<at::Tensor, at::Tensor> tensor_stats_autograd(at::TensorList tensors)
 
 bool cuda_compiled_op() { return trainsan::cuda_compiled(); }
 
-// Finding as a TorchScript-friendly tuple:
+// kinds.def as columns: name, severity, on by default, family, rule.
+std::tuple<std::vector<std::string>, std::vector<std::string>, c10::List<bool>,
+           std::vector<std::string>, std::vector<std::string>>
+kinds_op() {
+  std::vector<std::string> name, severity, family, rule;
+  c10::List<bool> on;
+  for (const trainsan::KindInfo& k : trainsan::kinds()) {
+    name.emplace_back(k.name);
+    severity.emplace_back(trainsan::severity_name(k.severity));
+    on.push_back(k.default_on);
+    family.emplace_back(k.family);
+    rule.emplace_back(k.rule);
+  }
+  return {name, severity, on, family, rule};
+}
+
+// options.def as columns: name, type, default (text), choices ("a|b"), doc.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<std::string>, std::vector<std::string>>
+options_op() {
+  std::vector<std::string> name, type, def, choices, doc;
+  for (const trainsan::OptionInfo& o : trainsan::option_table()) {
+    name.emplace_back(o.name);
+    type.emplace_back(o.type);
+    def.push_back(o.default_value);
+    choices.emplace_back(o.choices);
+    doc.emplace_back(o.doc);
+  }
+  return {name, type, def, choices, doc};
+}
+
+// A finding as a TorchScript-friendly tuple:
 // (kind, step, severity, tensor, message, value (NaN: none), count, last_step).
 using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
                                 int64_t, int64_t>;
+// A reported finding: the tuple and the policy's answer (trainsan::Action as an int).
+using Report = std::tuple<FindingTuple, int64_t>;
 
-std::vector<FindingTuple> to_tuples(const std::vector<trainsan::Finding>& fs) {
-  std::vector<FindingTuple> out;
-  out.reserve(fs.size());
-  for (const auto& f : fs) {
-    out.emplace_back(f.kind, f.step, f.severity, f.tensor, f.message,
-                     f.value ? *f.value : std::nan(""), f.count, f.last_step);
-  }
-  return out;
+FindingTuple to_tuple(const trainsan::Finding& f) {
+  return {f.kind,  f.step,     f.severity, f.tensor, f.message, f.value ? *f.value : std::nan(""),
+          f.count, f.last_step};
 }
 
-// The Python package's handle on a SanitizerImpl (torch.classes.trainsan.Sanitizer). Python
-// calls one method per training-loop event; the gradient hooks are installed here, in C++.
+// torch.classes.trainsan.Sanitizer: the Python package's handle on a trainsan::Sanitizer. Each
+// event method returns the findings reported at that event with the policy's answer, which
+// Python maps to TrainingBugError / warnings.warn.
 struct SanitizerHandle : torch::CustomClassHolder {
-  std::unique_ptr<trainsan::SanitizerImpl> impl;
+  std::vector<Report> reports;
+  std::unique_ptr<trainsan::Sanitizer> san;
 
   SanitizerHandle(std::vector<std::string> names, std::vector<at::Tensor> params,
                   std::vector<int64_t> opt_index, c10::Dict<std::string, std::string> options,
-                  std::string header_extra) {
+                  std::string header_extra, std::vector<std::string> module_names,
+                  std::vector<std::string> module_types, std::vector<std::string> skip_frames,
+                  bool manual) {
     TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
                       "Sanitizer: names, params and opt_index differ in length");
+    TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
+                      "Sanitizer: module_names and module_types differ in length");
     trainsan::Options o;
     for (const auto& kv : options) o.set(kv.key(), kv.value());
-    std::vector<trainsan::ParamInfo> ps;
+    std::vector<trainsan::Parameter> ps;
     for (size_t i = 0; i < names.size(); ++i) ps.push_back({names[i], params[i], opt_index[i]});
-    impl = std::make_unique<trainsan::SanitizerImpl>(std::move(ps), std::move(o),
-                                                     std::move(header_extra));
-    impl->install_hooks();
+    trainsan::Setup setup;
+    for (size_t k = 0; k < module_names.size(); ++k) {
+      setup.mode_modules.push_back({module_names[k], module_types[k]});
+    }
+    setup.manual = manual;
+    setup.header_extra = std::move(header_extra);
+    setup.skip_frames = std::move(skip_frames);
+    setup.report = [this](const trainsan::Finding& f, trainsan::Action a) {
+      reports.emplace_back(to_tuple(f), static_cast<int64_t>(a));
+    };
+    san = std::make_unique<trainsan::Sanitizer>(std::move(ps), std::move(o), std::move(setup));
+  }
+
+  std::vector<Report> take() {
+    std::vector<Report> out;
+    out.swap(reports);
+    return out;
   }
 };
 
@@ -77,66 +123,74 @@ struct SanitizerHandle : torch::CustomClassHolder {
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
+  m.def("kinds", &kinds_op);
+  m.def("options", &options_op);
 
   using H = c10::intrusive_ptr<SanitizerHandle>;
   m.class_<SanitizerHandle>("Sanitizer")
       .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
-                       c10::Dict<std::string, std::string>, std::string>())
+                       c10::Dict<std::string, std::string>, std::string, std::vector<std::string>,
+                       std::vector<std::string>, std::vector<std::string>, bool>())
       .def("forward",
-           [](const H& h, bool grad_enabled, bool training, std::vector<std::string> eval_modules,
-              std::vector<at::Tensor> inputs, bool fp16) {
-             return to_tuples(
-                 h->impl->on_forward(grad_enabled, training, eval_modules, inputs, fp16));
+           [](const H& h, bool training, std::vector<at::Tensor> inputs,
+              c10::List<bool> module_eval) {
+             h->san->forward({training, std::move(inputs), module_eval.vec()});
+             return h->take();
            })
-      .def("loss", [](const H& h, at::Tensor loss) { return to_tuples(h->impl->on_loss(loss)); })
+      .def("loss",
+           [](const H& h, at::Tensor loss) {
+             h->san->watch_loss(loss);
+             return h->take();
+           })
       .def("step_begin",
-           [](const H& h, int64_t opt) { return to_tuples(h->impl->on_step_begin(opt)); })
+           [](const H& h, int64_t opt) {
+             h->san->step_begin(opt);
+             return h->take();
+           })
       .def("step_end",
            [](const H& h, int64_t opt, bool lr_zero, double extra_s) {
-             return to_tuples(h->impl->on_step_end(opt, lr_zero, extra_s));
+             h->san->add_overhead(extra_s);
+             h->san->step_end(opt, lr_zero);
+             return h->take();
            })
-      .def("manual_boundary",
-           [](const H& h, double extra_s) {
-             return to_tuples(h->impl->on_manual_boundary(extra_s));
+      .def("amp_skip", [](const H& h, int64_t opt) { h->san->amp_skip(opt); })
+      .def("module_output",
+           [](const H& h, std::string name, std::string type, std::vector<at::Tensor> outputs) {
+             h->san->module_output({std::move(name), std::move(type)}, outputs);
+             return h->take();
            })
-      .def("amp_skip", [](const H& h, int64_t opt) { h->impl->on_amp_skip(opt); })
-      .def("close", [](const H& h) { return to_tuples(h->impl->close()); })
-      .def("findings", [](const H& h) { return to_tuples(h->impl->findings); })
-      .def("hooks_installed", [](const H& h) { return h->impl->hooks_installed(); })
-      .def("auditing", [](const H& h) { return h->impl->audit->auditing(); })
-      .def("audit_target",
+      .def("check_target",
            [](const H& h, std::string op, std::optional<at::Tensor> input, at::Tensor target,
               std::optional<int64_t> ignore_index, int64_t num_classes) {
-             return to_tuples(h->impl->audit->check_target(op, input.value_or(at::Tensor()), target,
-                                                           ignore_index, num_classes));
+             h->san->check_target(op, input.value_or(at::Tensor()), target, ignore_index,
+                                  num_classes);
+             return h->take();
            })
-      .def("step", [](const H& h) { return h->impl->step; })
-      .def("overhead_s", [](const H& h) { return h->impl->overhead_s; })
+      .def("add_overhead", [](const H& h, double s) { h->san->add_overhead(s); })
+      .def("close",
+           [](const H& h) {
+             h->san->close();
+             return h->take();
+           })
+      .def("findings",
+           [](const H& h) {
+             std::vector<FindingTuple> out;
+             for (const auto& f : h->san->findings()) out.push_back(to_tuple(f));
+             return out;
+           })
+      .def("hooks_installed", [](const H& h) { return h->san->hooks_installed(); })
+      .def("auditing", [](const H& h) { return h->san->auditing(); })
+      .def("step", [](const H& h) { return h->san->step(); })
+      .def("overhead_s", [](const H& h) { return h->san->overhead_seconds(); })
       .def("last_stats", [](const H& h) {
-        const auto last = h->impl->last_stats();
         std::vector<std::string> names;
         std::vector<trainsan::TensorStats> st;
-        for (const auto& [k, v] : last) {
+        for (const auto& [k, v] : h->san->last_stats()) {
           names.push_back(k);
           st.push_back(v);
         }
-        const int64_t n = static_cast<int64_t>(st.size());
-        at::Tensor ints = at::empty({n, 8}, at::kLong);
-        at::Tensor floats = at::empty({n, 5}, at::kDouble);
-        auto* ip = ints.mutable_data_ptr<int64_t>();
-        auto* fp = floats.mutable_data_ptr<double>();
-        const double nan = std::nan("");
-        for (int64_t r = 0; r < n; ++r) {
-          const auto& s = st[r];
-          const int64_t iv[8] = {
-              s.numel, s.nan,       s.posinf,        s.neginf,
-              s.zero,  s.subnormal, s.fp16_overflow, static_cast<int64_t>(s.hash)};
-          const double fv[5] = {s.min.value_or(nan), s.max.value_or(nan), s.absmax.value_or(nan),
-                                s.sum, s.l2};
-          std::copy(iv, iv + 8, ip + r * 8);
-          std::copy(fv, fv + 5, fp + r * 5);
-        }
-        return std::make_tuple(names, ints, floats);
+        const trainsan::PackedStats p = trainsan::pack_stats(st);
+        return std::make_tuple(names, p.ints, p.floats);
       });
 }
 

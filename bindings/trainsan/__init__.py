@@ -10,6 +10,7 @@ from .sanitizer import (
     KINDS,
     OPTIONS,
     Finding,
+    Options,
     Sanitizer,
     TrainingBugError,
     TrainingBugWarning,
@@ -17,12 +18,40 @@ from .sanitizer import (
 )
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The version written once, in ``project(trainsan VERSION ...)`` of CMakeLists.txt.
+
+    Run from a source tree (``PYTHONPATH=bindings``, an editable install), that file is read, so
+    an older installed copy cannot answer for the tree; otherwise the installed metadata (which
+    the build took from the same line) answers.
+    """
+    import os
+    import re
+
+    cmake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "CMakeLists.txt")
+    try:
+        with open(cmake, encoding="utf-8") as fh:
+            m = re.search(r"project\(\s*trainsan\s+VERSION\s+([0-9]+(?:\.[0-9]+)*)", fh.read())
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("trainsan")
+    except (ImportError, PackageNotFoundError):
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "KINDS",
     "OPTIONS",
     "Finding",
+    "Options",
     "PendingStats",
     "Sanitizer",
     "TensorStats",

@@ -34,57 +34,39 @@ __all__ = [
     "attach",
     "OPTIONS",
     "KINDS",
+    "Options",
 ]
 
-#: Finding kinds and their severities (shared/DESIGN.md).
-KINDS = {
-    "nonfinite_loss": "error",
-    "nonfinite_grad": "error",
-    "nonfinite_param": "error",
-    "nonfinite_activation": "error",
-    "grad_explosion": "warning",
-    "grad_vanishing": "warning",
-    "missing_grad": "error",
-    "stale_grad": "error",
-    "skipped_step": "error",
-    "param_not_in_optimizer": "error",
-    "update_outside_step": "error",
-    "update_ratio": "warning",
-    "no_grad_leak": "error",
-    "eval_mode": "warning",
-    "broadcast": "error",
-    "label_range": "error",
-    "batch_mismatch": "error",
-    "duplicate_batch": "warning",
-    "fp16_overflow": "warning",
-    "amp_scale_collapse": "error",
-    "nondeterminism": "error",
-    "rank_desync": "error",
-    "bad_checkpoint": "error",
-}
+def _kind_table() -> dict:
+    names, severities, _on, _families, _rules = torch.ops.trainsan.kinds()
+    return dict(zip(names, severities))
 
-#: Numeric options with their defaults (rules in the README, "Checks and their options").
-OPTIONS = {
-    "trace_every": 1,
-    "trace_tensors": "all",
-    "trace_topk": 8,
-    "sync": False,
-    "track_updates": True,
-    "fingerprints": False,
-    "grad_explosion_factor": 50.0,
-    "grad_explosion_warmup": 5,
-    "grad_explosion_limit": 0.0,
-    "grad_vanishing_ratio": 1e-12,
-    "grad_vanishing_steps": 3,
-    "missing_grad_patience": 3,
-    "update_ratio_low": 1e-8,
-    "update_ratio_high": 1.0,
-    "update_ratio_steps": 3,
-    "max_accumulation": 64,
-    "fp16_overflow_fraction": 0.0,
-    "audit_first_steps": 10,
-    "audit_every": 100,
-}
+
+def _option_table() -> dict:
+    names, types, defaults, _choices, _docs = torch.ops.trainsan.options()
+    parse = {
+        "str": str,
+        "int": int,
+        "float": float,
+        "bool": lambda v: v == "true",
+    }
+    return {n: parse[t](d) for n, t, d in zip(names, types, defaults)}
+
+
+#: The finding kinds TrainSan implements and their severities, from the C++ table
+#: (host/include/trainsan/kinds.def).
+KINDS: dict = _kind_table()
+
+#: Every option with its default, from the C++ table (host/include/trainsan/options.def);
+#: ``policy`` and ``trace`` are :func:`attach`'s own arguments, the rest its keyword options.
+OPTIONS: dict = _option_table()
+
+#: The options as a dataclass (``trainsan.Options()`` holds the defaults), generated from the
+#: same table.
+Options = dataclasses.make_dataclass(
+    "Options", [(n, type(v), dataclasses.field(default=v)) for n, v in OPTIONS.items()]
+)
+Options.__doc__ = "TrainSan's options and their defaults (the README documents each rule)."
 
 # Modules whose forward depends on train/eval.
 _MODE_SENSITIVE = (
@@ -156,6 +138,8 @@ class Finding:
     def __str__(self) -> str:
         return f"[{self.severity}] {self.message}"
 
+
+_KIND_ON = dict(zip(*(torch.ops.trainsan.kinds()[k] for k in (0, 2))))  # kind -> on by default
 
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, Sanitizer]" = weakref.WeakKeyDictionary()
 
@@ -246,6 +230,20 @@ def _lr_zero(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
+_ACTIONS = ("none", "warn", "raise")  # trainsan::Action, as the op library returns it
+
+
+def _skip_frames() -> list:
+    """Source lookup of op-audit findings skips TrainSan's hook files and torch's own files (the
+    demo, also in this package, is user code)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [
+        os.path.join(here, "sanitizer.py"),
+        os.path.join(here, "audit.py"),
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    ]
+
+
 class Sanitizer:
     """A sanitizer attached to one model (and its optimizers). Create it with :func:`attach`."""
 
@@ -260,7 +258,6 @@ class Sanitizer:
     ):
         self._model = model
         self._optimizers = list(optimizers)
-        self._policy = policy
         self._closed = False
         # Set once this sanitizer holds a reference on the GradScaler patch: an __init__ that
         # raises (bad trace path, bad option) is still close()d by __del__, and must not release
@@ -268,7 +265,6 @@ class Sanitizer:
         self._scaler_patched = False
         self._handles: list = []
         self._py_overhead = 0.0
-        self._extra_findings: list[Finding] = []
         names, params, opt_index = [], [], []
         where = {}
         for k, opt in enumerate(self._optimizers):
@@ -289,20 +285,27 @@ class Sanitizer:
             opts["trace"] = os.fspath(trace)
         for kind, on in checks.items():
             opts["check." + kind] = _opt_str(bool(on))
-        self._manual = not self._optimizers
+        sensitive = [(n, m) for n, m in model.named_modules() if isinstance(m, _MODE_SENSITIVE)]
+        self._sensitive = [m for _, m in sensitive]
         self._handle = torch.classes.trainsan.Sanitizer(
-            names, params, opt_index, opts, _header_extra(model)
+            names,
+            params,
+            opt_index,
+            opts,
+            _header_extra(model),
+            [n for n, _ in sensitive],
+            [type(m).__name__ for _, m in sensitive],
+            _skip_frames(),
+            not self._optimizers,
         )
-        self._sensitive = [
-            (n, m) for n, m in model.named_modules() if isinstance(m, _MODE_SENSITIVE)
-        ]
         # sync=True with policy "raise": class-index targets are checked before the loss runs
         # (trainsan/audit.py); otherwise the C++ op audit reports at the next event.
+        sync = options.get("sync", OPTIONS["sync"])
         self._label_guard = (
             LabelGuard(self._check_target)
             if policy == "raise"
-            and opts.get("sync", "false") in ("true", "1")
-            and (checks.get("label_range", True) or checks.get("batch_mismatch", True))
+            and sync
+            and (self._enabled("label_range", checks) or self._enabled("batch_mismatch", checks))
             else None
         )
         self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
@@ -310,43 +313,38 @@ class Sanitizer:
             self._handles.append(opt.register_step_pre_hook(self._make_pre_step(k)))
             self._handles.append(opt.register_step_post_hook(self._make_post_step(k)))
             _watchers.setdefault(opt, []).append(self)
-        self._activation_hooks = bool(checks.get("nonfinite_activation", False))
-        if self._activation_hooks:
+        if self._enabled("nonfinite_activation", checks):
             for n, m in model.named_modules():
                 if not list(m.children()):
                     self._handles.append(m.register_forward_hook(self._make_activation_hook(n)))
         _patch_scaler()
         self._scaler_patched = True
 
+    @staticmethod
+    def _enabled(kind: str, checks: dict) -> bool:
+        return bool(checks.get(kind, _KIND_ON[kind]))
+
     # -- events ---------------------------------------------------------------------------------
 
-    def _apply(self, tuples) -> None:
-        for t in tuples:
-            f = Finding._from_tuple(t)
-            if self._policy == "raise" and f.severity == "error":
-                raise TrainingBugError(f)
-            if self._policy == "warn" or (self._policy == "raise" and f.severity == "warning"):
-                warnings.warn(f.message, TrainingBugWarning, stacklevel=3)
+    def _apply(self, reports) -> None:
+        """Map the policy's answers (decided in C++) to an exception or a warning."""
+        for t, action in reports:
+            if _ACTIONS[action] == "raise":
+                raise TrainingBugError(Finding._from_tuple(t))
+            if _ACTIONS[action] == "warn":
+                warnings.warn(t[4], TrainingBugWarning, stacklevel=3)
 
     def _on_forward(self, module, args, kwargs):
         if self._closed:
             return None
         t0 = time.perf_counter()
-        grad_enabled = torch.is_grad_enabled()
         training = module.training
-        if self._manual and grad_enabled and training:
-            self._apply(self._handle.manual_boundary(self._take_overhead()))
-        eval_modules = [
-            f"{n or '<model>'}:{type(m).__name__}" for n, m in self._sensitive if not m.training
-        ]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
-        fp16 = any(
-            torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
-            for d in ("cuda", "cpu")
-        )
-        found = self._handle.forward(grad_enabled, training, eval_modules, inputs, fp16)
+        module_eval = [not m.training for m in self._sensitive]
+        self._handle.add_overhead(self._take_overhead())
+        found = self._handle.forward(training, inputs, module_eval)
         if self._label_guard is not None:
-            if grad_enabled and training and self._handle.auditing():
+            if torch.is_grad_enabled() and training and self._handle.auditing():
                 self._label_guard.push()
             else:
                 self._label_guard.pop()
@@ -380,36 +378,13 @@ class Sanitizer:
             if self._closed or not torch.is_grad_enabled():
                 return
             outs = [t for t in _flat_tensors(output, []) if t.is_floating_point()]
-            if not outs:
-                return
-            from .stats import tensor_stats
-
-            for s in tensor_stats(outs):
-                if s.nonfinite:
-                    f = Finding(
-                        kind="nonfinite_activation",
-                        step=self.step,
-                        severity="error",
-                        tensor=name,
-                        message=(
-                            f"nonfinite_activation at step {self.step}: the output of {name} "
-                            f"({type(module).__name__}) holds {s.nan} NaN and "
-                            f"{s.posinf + s.neginf} ±Inf values — the first module whose output "
-                            "is non-finite is where to look"
-                        ),
-                        value=float(s.nonfinite),
-                    )
-                    self._extra_findings.append(f)
-                    if self._policy == "raise":
-                        raise TrainingBugError(f)
-                    if self._policy == "warn":
-                        warnings.warn(f.message, TrainingBugWarning, stacklevel=2)
-                    return
+            if outs:
+                self._apply(self._handle.module_output(name, type(module).__name__, outs))
 
         return hook
 
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
-        self._apply(self._handle.audit_target(op, input, target, ignore_index, num_classes))
+        self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
 
     def _amp_skip(self, opt) -> None:
         if not self._closed and opt in self._optimizers:
@@ -432,9 +407,7 @@ class Sanitizer:
     @property
     def findings(self) -> list[Finding]:
         """Every distinct finding so far, each with its count."""
-        return [Finding._from_tuple(t) for t in self._handle.findings()] + list(
-            self._extra_findings
-        )
+        return [Finding._from_tuple(t) for t in self._handle.findings()]
 
     @property
     def step(self) -> int:
@@ -525,7 +498,7 @@ def attach(
     model: torch.nn.Module,
     optimizer: Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None] = None,
     *,
-    policy: str = "raise",
+    policy: Optional[str] = None,
     trace: Union[str, os.PathLike, None] = None,
     checks: Optional[dict] = None,
     **options: Any,
@@ -539,8 +512,8 @@ def attach(
     optimizer : torch.optim.Optimizer or list of them, optional
         Omit it for loops that update parameters by hand; steps are then delimited by training
         forwards (the README lists the checks that need an optimizer).
-    policy : {"raise", "warn", "record"}
-        ``"raise"`` raises :class:`TrainingBugError` at the first error-severity finding,
+    policy : {"raise", "warn", "record"}, optional
+        Default ``OPTIONS["policy"]`` (``"raise"``). ``"raise"`` raises :class:`TrainingBugError` at the first error-severity finding,
         ``"warn"`` emits :class:`TrainingBugWarning`, ``"record"`` only records.
     trace : path, optional
         JSON Lines trace (header, step records, findings, summary), flushed every step.
@@ -579,19 +552,22 @@ def attach(
             )
         if not any(len(g["params"]) for g in o.param_groups):
             raise ValueError(f"trainsan.attach: optimizer[{k}] has no parameters")
-    if policy not in ("raise", "warn", "record"):
-        raise ValueError(f"trainsan.attach: policy must be 'raise', 'warn' or 'record', got {policy!r}")
-    unknown = sorted(set(options) - set(OPTIONS))
+    if policy is None:
+        policy = OPTIONS["policy"]
+    if not isinstance(policy, str):
+        raise ValueError(f"trainsan.attach: policy must be a string, got {type(policy).__name__}")
+    unknown = sorted(set(options) - (set(OPTIONS) - {"policy", "trace"}))
     if unknown:
         raise TypeError(
             f"trainsan.attach: unknown option(s) {', '.join(unknown)}; valid options: "
-            + ", ".join(sorted(OPTIONS))
+            + ", ".join(sorted(set(OPTIONS) - {"policy", "trace"}))
         )
     checks = dict(checks or {})
     bad = sorted(set(checks) - set(KINDS))
     if bad:
         raise ValueError(
-            f"trainsan.attach: unknown check(s) {', '.join(bad)}; valid kinds: "
+            f"trainsan.attach: unknown check(s) {', '.join(bad)} (not a finding kind TrainSan "
+            "implements); valid kinds: "
             + ", ".join(sorted(KINDS))
         )
     prev = _attached.get(model)

@@ -1,123 +1,135 @@
-// Public C++ API of the training-loop sanitizer.
+// Public C++ API of the training-loop sanitizer: the one front door, for LibTorch loops and for
+// the Python package (bindings/csrc/ops.cpp binds this class and nothing else of host/).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "trainsan/finding.h"
+#include "trainsan/kinds.h"
+#include "trainsan/options.h"
 #include "trainsan/stats.h"
 
 namespace trainsan {
 
-/// One thing TrainSan found wrong (../shared/DESIGN.md, "Finding kinds").
-struct Finding {
-  std::string kind;             ///< e.g. "stale_grad"
-  int64_t step = 0;             ///< 0-based optimizer step where it was first seen
-  std::string severity;         ///< "error" or "warning"
-  std::string tensor;           ///< parameter or module name; empty when none
-  std::string message;          ///< what is wrong and what to look at
-  std::optional<double> value;  ///< the figure that triggered it
-  int64_t count = 1;            ///< how often it occurred (a repeat is reported once, then counted)
-  int64_t last_step = 0;        ///< the step of the latest occurrence
+/// A parameter to watch, and the optimizer that steps it.
+struct Parameter {
+  std::string name;
+  at::Tensor tensor;
+  int64_t optimizer = 0;  ///< index of its optimizer; -1 when it is in none
 };
 
-/// Raised by the "raise" policy on the first error-severity finding.
-class TrainingBugError : public std::runtime_error {
- public:
-  explicit TrainingBugError(Finding f) : std::runtime_error(f.message), finding(std::move(f)) {}
-  Finding finding;
+/// A module named in findings (eval_mode, nonfinite_activation).
+struct ModuleInfo {
+  std::string name;
+  std::string type;  ///< e.g. "Dropout"; may be empty
 };
 
-/// Options of a Sanitizer. Every check is on by default except nonfinite_activation (Python only)
-/// and update_outside_step (costs one extra pass per step). Thresholds are documented in the
-/// README ("Checks and their options").
-struct Options {
-  std::string policy = "raise";       ///< "raise", "warn" or "record"
-  std::string trace;                  ///< JSON Lines trace path; empty for none
-  int64_t trace_every = 1;            ///< write a step record every N steps
-  std::string trace_tensors = "all";  ///< "all", "topk" or "global"
-  int64_t trace_topk = 8;             ///< tensors per step record with trace_tensors="topk"
-  bool sync = false;                  ///< GPU: check at the same step (waits for the pass)
-  bool track_updates = true;          ///< keep a snapshot of the parameters for the update checks
-  /// Fingerprint (hash) every gradient and parameter at every step; by default only on steps
-  /// written to the trace (no check needs them, and they are most of the CPU pass's arithmetic).
-  bool fingerprints = false;
-
-  double grad_explosion_factor = 50.0;  ///< global grad norm > factor x running baseline
-  int64_t grad_explosion_warmup = 5;    ///< steps before the baseline is trusted
-  double grad_explosion_limit = 0.0;    ///< absolute global grad norm limit (0: none)
-  double grad_vanishing_ratio = 1e-12;  ///< ||g|| <= ratio x ||theta|| counts as vanished
-  int64_t grad_vanishing_steps = 3;     ///< consecutive steps before the warning
-  int64_t missing_grad_patience = 3;    ///< consecutive steps without a gradient
-  double update_ratio_low = 1e-8;       ///< global ||dtheta||/||theta|| band, low end
-  double update_ratio_high = 1.0;       ///< high end
-  int64_t update_ratio_steps = 3;       ///< consecutive steps outside the band
-  int64_t max_accumulation = 64;        ///< backward passes without any optimizer step
-  double fp16_overflow_fraction = 0.0;  ///< warn when more than this fraction overflows fp16
-  /// Op audits (broadcast, label_range, batch_mismatch) observe every op of the first N steps...
-  int64_t audit_first_steps = 10;
-  /// ...and then of every N-th step (0: none after the first ones).
-  int64_t audit_every = 100;
-
-  /// Checks switched off (or, for the opt-in ones, on) by kind name.
-  std::map<std::string, bool> checks;
-
-  bool enabled(const std::string& kind) const;
-  /// Set a field by name (used by the Python binding); throws c10::ValueError for an unknown
-  /// name or a bad value.
-  void set(const std::string& name, const std::string& value);
+/// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
+struct Setup {
+  /// Modules whose forward depends on train/eval (Dropout, BatchNorm, ...), registered once;
+  /// ForwardFacts::module_eval says which of them are in eval mode at each forward.
+  std::vector<ModuleInfo> mode_modules;
+  /// No optimizer: parameters are updated by hand and steps are delimited by training forwards.
+  bool manual = false;
+  /// JSON object body (without braces) added to the trace header, e.g. provenance fields.
+  std::string header_extra;
+  /// Source lookup for op-audit findings: Python frames whose file path contains one of these
+  /// are skipped (the framework's and TrainSan's own files), so the finding names the user's line.
+  std::vector<std::string> skip_frames;
+  /// Receives each new finding with the policy's answer, at the end of the event that found it.
+  /// Default: throw TrainingBugError for Action::kRaise, print to stderr for Action::kWarn.
+  std::function<void(const Finding&, Action)> report;
 };
 
+/// Facts of one forward of the model. Grad mode and autocast are read by the sanitizer itself.
+struct ForwardFacts {
+  bool training = true;            ///< the model's train/eval flag
+  std::vector<at::Tensor> inputs;  ///< the forward's tensor inputs (duplicate_batch)
+  std::vector<bool> module_eval;   ///< per Setup::mode_modules: true when in eval mode
+};
+
+namespace host {
 struct SanitizerImpl;
+}
 
-/// Sanitizer for a LibTorch training loop:
+/// Sanitizer for a training loop:
 ///
 ///   trainsan::Sanitizer san(model->named_parameters(), opts);
 ///   for (...) {
-///     san.begin_step();
+///     san.begin_step({x});
 ///     auto loss = ...; san.watch_loss(loss);
 ///     loss.backward(); optimizer.step();
 ///     san.end_step();   // checks (and, with policy "raise", throws TrainingBugError)
 ///     optimizer.zero_grad();
 ///   }
 ///   san.close();
+///
+/// Every event method reports the findings that are new at that event through Setup::report
+/// (by default: policy "raise" throws TrainingBugError on an error, warnings go to stderr).
 class Sanitizer {
  public:
   using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+  /// Every parameter in one optimizer (index 0).
   explicit Sanitizer(const NamedTensors& named_parameters, Options options = {});
   template <typename OrderedDict>
   explicit Sanitizer(const OrderedDict& named_parameters, Options options = {})
       : Sanitizer(to_named(named_parameters), std::move(options)) {}
+  Sanitizer(std::vector<Parameter> parameters, Options options, Setup setup);
   ~Sanitizer();
   Sanitizer(const Sanitizer&) = delete;
   Sanitizer& operator=(const Sanitizer&) = delete;
 
-  /// Start of a training step (before forward): grad mode and input checks.
-  void begin_step(const std::vector<at::Tensor>& inputs = {});
+  // --- a LibTorch loop ---
+  /// Start of a training step, before the forward: update_outside_step, then forward() with
+  /// these inputs (grad mode, duplicate inputs) and `module_eval` (see Setup::mode_modules).
+  void begin_step(const std::vector<at::Tensor>& inputs = {},
+                  const std::vector<bool>& module_eval = {});
   /// Check a loss for NaN/Inf (nonfinite_loss).
   void watch_loss(const at::Tensor& loss);
-  /// After optimizer.step(): the fused pass over gradients, parameters and the snapshot, then the
-  /// checks. `lr_zero` says the step ran with learning rate 0 (warm-up), so "no change" is fine.
+  /// After optimizer.step(): step_end(0, lr_zero). `lr_zero` says the step ran with learning
+  /// rate 0 (warm-up), so "no change" is fine.
   void end_step(bool lr_zero = false);
+
+  // --- the full event vocabulary (what the Python package's hooks call) ---
+  /// A forward of the model (training or not).
+  void forward(const ForwardFacts& facts);
+  /// Optimizer `opt` is about to step.
+  void step_begin(int64_t opt);
+  /// Optimizer `opt` has stepped: the fused pass over its gradients, parameters and snapshot,
+  /// then the checks (Note [Lagged checks]: on a GPU, of the previous step unless sync).
+  void step_end(int64_t opt, bool lr_zero);
+  /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients.
+  void amp_skip(int64_t opt);
+  /// Outputs of a module (nonfinite_activation, opt-in); reads them at once.
+  void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
+  /// Check a class-index target before the op runs (label_range, batch_mismatch). `input` may be
+  /// undefined (one_hot); num_classes < 0 takes the class count from `input`.
+  void check_target(const std::string& op, const at::Tensor& input, const at::Tensor& target,
+                    std::optional<int64_t> ignore_index, int64_t num_classes);
+  /// Time spent for this sanitizer outside C++ (e.g. in Python hooks), for the overhead figures.
+  void add_overhead(double seconds);
   /// Flush pending checks, write the trace summary, remove every hook. Idempotent.
   void close();
 
-  const std::vector<Finding>& findings() const;
+  std::vector<Finding> findings() const;
   /// Statistics of the last checked step, by name: "<param>.grad", "<param>", "<param>.update".
   std::map<std::string, TensorStats> last_stats() const;
   int64_t step() const;
+  double overhead_seconds() const;
   /// True while the gradient hooks are installed (until close()).
   bool hooks_installed() const;
-
-  SanitizerImpl& impl() { return *impl_; }
+  /// True while the op audit observes this step's forward.
+  bool auditing() const;
 
  private:
   template <typename OrderedDict>
@@ -126,7 +138,8 @@ class Sanitizer {
     for (const auto& item : d) out.emplace_back(item.key(), item.value());
     return out;
   }
-  std::unique_ptr<SanitizerImpl> impl_;
+  void report();
+  std::unique_ptr<host::SanitizerImpl> impl_;
 };
 
 }  // namespace trainsan

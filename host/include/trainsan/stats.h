@@ -9,37 +9,9 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/tensor_stats.h"
+
 namespace trainsan {
-
-/// Statistics of one tensor, computed in one fused pass (see ../shared/DESIGN.md).
-///
-/// Counts are exact. `min`, `max`, `absmax`, `sum` and `l2` cover the finite elements only, so one
-/// NaN does not hide the rest; `min`, `max` and `absmax` are empty when no element is finite,
-/// `sum` and `l2` are then 0. `sum` and the sum of squares behind `l2` are accumulated in float64.
-/// `subnormal` counts nonzero elements below the smallest normal number of the tensor's own dtype;
-/// `fp16_overflow` counts finite elements with |x| > 65504. `hash` is a 64-bit fingerprint of the
-/// exact bits of every element and its logical row-major index (kernels/stats.cuh,
-/// Note [Hash]): independent of memory layout, thread count and reduction order.
-/// Integer and bool tensors have no NaN/Inf/subnormal; their values enter min/max/sum as float64.
-struct TensorStats {
-  int64_t numel = 0;
-  int64_t nan = 0;
-  int64_t posinf = 0;
-  int64_t neginf = 0;
-  int64_t zero = 0;
-  int64_t subnormal = 0;
-  int64_t fp16_overflow = 0;
-  std::optional<double> min;
-  std::optional<double> max;
-  std::optional<double> absmax;
-  double sum = 0.0;
-  double l2 = 0.0;
-  uint64_t hash = 0;
-
-  /// Number of NaN and ±Inf elements.
-  int64_t nonfinite() const { return nan + posinf + neginf; }
-  std::string to_string() const;
-};
 
 /// Statistics of every tensor, one TensorStats each, in order. Tensors may mix dtypes
 /// (float32/16, bfloat16, float64, int8/16/32/64, uint8, bool), sizes (empty to more than 2^31
@@ -64,6 +36,10 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors);
 
 /// Convert packed results (any device; copied to the host if needed) to TensorStats.
 std::vector<TensorStats> unpack_stats(const PackedStats& packed);
+/// The inverse of unpack_stats, on the CPU (NaN where min/max/absmax are empty).
+PackedStats pack_stats(const std::vector<TensorStats>& stats);
+/// Uninitialised results of the right shapes on the tensors' device (the meta/fake kernel).
+PackedStats tensor_stats_packed_shapes(const std::vector<at::Tensor>& tensors);
 
 /// True when this build of TrainSan includes the CUDA kernels.
 bool cuda_compiled();

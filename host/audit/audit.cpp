@@ -1,0 +1,108 @@
+// OpAudit: one sanitizer's side of the op audits (Note [Op audit] in audit/observer.cpp).
+#include "audit.h"
+
+#include <utility>
+
+#include "audit/core.h"
+#include "finding_sink.h"
+#include "readback.h"
+
+namespace trainsan::host {
+
+namespace audit {
+
+void record(Core& c, Kind kind, const std::string& name, const std::string& message,
+            std::optional<double> value, int64_t step, bool say_now) {
+  const std::lock_guard<std::mutex> lock(c.mu);
+  if (c.sink == nullptr) return;
+  const Finding* f = c.sink->add(kind, name, message, value, step);
+  // The op usually fails right after (IndexError, device-side assert), before the next event
+  // could report the finding: say it now.
+  if (f != nullptr && say_now && c.cfg.print_failing) print_finding(*f);
+}
+
+}  // namespace audit
+
+OpAudit::OpAudit(FindingSink& sink, ReadbackQueue& readback, AuditConfig cfg)
+    : core_(std::make_shared<audit::Core>(std::move(cfg))) {
+  core_->sink = &sink;
+  core_->readback = &readback;
+  audit::claim();
+}
+
+OpAudit::~OpAudit() {
+  stop();
+  bool was_open = false;
+  {
+    const std::lock_guard<std::mutex> lock(core_->mu);
+    core_->sink = nullptr;
+    core_->readback = nullptr;
+    was_open = core_->open;
+    core_->open = false;
+  }
+  if (was_open) audit::release();
+}
+
+void OpAudit::begin_forward(int64_t step) {
+  audit::Core& c = *core_;
+  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch) return;
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.open || c.sink == nullptr) return;
+  }
+  c.step = step;
+  if (step >= c.cfg.first_steps && (c.cfg.every <= 0 || step % c.cfg.every != 0)) return;
+  audit::flush_deferred(c);
+  c.last_target = audit::LastTarget();
+  c.active.store(true);
+  audit::activate(core_);
+}
+
+void OpAudit::stop() {
+  if (!core_->active.load(std::memory_order_relaxed)) return;
+  if (core_->active.exchange(false)) audit::deactivate(core_);
+}
+
+bool OpAudit::auditing() const { return core_->active.load(); }
+
+void OpAudit::flush() { audit::flush_deferred(*core_); }
+
+double OpAudit::take_overhead() {
+  const std::lock_guard<std::mutex> lock(core_->mu);
+  return std::exchange(core_->overhead_s, 0.0);
+}
+
+void OpAudit::step_end() {
+  stop();
+  audit::flush_deferred(*core_);
+  core_->last_target = audit::LastTarget();
+  audit::ship_device_checks(core_);
+}
+
+void OpAudit::close() {
+  audit::Core& c = *core_;
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.open) return;
+  }
+  step_end();
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    c.open = false;
+  }
+  audit::release();
+}
+
+void OpAudit::check_target(const std::string& op, const at::Tensor& input, const at::Tensor& target,
+                           std::optional<int64_t> ignore_index, int64_t num_classes, int64_t step) {
+  audit::Core& c = *core_;
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.open) return;
+  }
+  const audit::OwnOps own;
+  audit::check_class_target(c, op, input, target, ignore_index, num_classes, step, /*now=*/true,
+                            /*from_op=*/false);
+}
+
+}  // namespace trainsan::host

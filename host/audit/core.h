@@ -1,0 +1,142 @@
+// Internals of the op audit shared by audit/*.cpp: the state of one sanitizer's audit (Core) and
+// the functions of each part. Not for use outside host/audit/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "audit.h"
+#include "audit/shape_rules.h"
+#include "source_location.h"
+#include "trainsan/kinds.h"
+
+namespace trainsan::host::audit {
+
+enum class OpClass { kElementwise, kBroadcastTensors, kLoss, kClassIndex, kOneHot };
+
+struct OpInfo {
+  OpClass cls;
+  int ignore_arg = -1;  // class-index ops: position of ignore_index, -1 when the op has none
+};
+
+// A broadcast_tensors call waiting to see whether a loss op consumes its result.
+struct Deferred {
+  bool valid = false;
+  std::vector<Operand> ops;
+  Shape out;
+  Source src;
+};
+
+// The last class-index target checked (by check_target before the op, then by the op's callback).
+struct LastTarget {
+  c10::Storage storage;  // held, so that a new batch at a reused address is not mistaken for it
+  int64_t offset = 0;
+  int64_t numel = -1;
+  int64_t version = 0;
+  int64_t classes = 0;
+  std::optional<int64_t> ignore;
+  int64_t batch = -1;
+};
+
+// One class-index target checked on the device, to be reported when its flags are read.
+struct LabelCheck {
+  std::string op;
+  int64_t numel = 0;
+  int64_t classes = 0;  // INT64_MAX: one_hot with num_classes=-1 (only negatives are bad)
+  std::optional<int64_t> ignore;
+  int64_t step = 0;
+  Source src;
+};
+
+struct DeviceCheck {
+  LabelCheck check;
+  at::Tensor flags;  // int64 [3] on the device: bad count, min and max of the non-ignored values
+};
+
+struct Core {
+  explicit Core(AuditConfig config) : cfg(std::move(config)) {}
+
+  const AuditConfig cfg;
+  std::mutex mu;  // sink, readback, open, overhead_s, device_checks
+  FindingSink* sink = nullptr;
+  ReadbackQueue* readback = nullptr;
+  bool open = true;
+  double overhead_s = 0.0;
+  std::vector<DeviceCheck> device_checks;
+  std::atomic<bool> active{false};
+  std::thread::id thread;  // the audited thread (under the registry's mutex)
+  // Audit thread only.
+  int64_t step = 0;  // of the audited forward
+  Deferred deferred;
+  LastTarget last_target;
+};
+
+// ---------------------------------------------------------------------------------------------
+// observer.cpp: the process-wide observer
+
+void claim();    // one more open OpAudit
+void release();  // one open OpAudit fewer; the last one removes the observer
+void activate(const std::shared_ptr<Core>& core);  // start auditing this thread's ops for core
+void deactivate(const std::shared_ptr<Core>& core);
+// A broadcast_tensors call is deferred on this thread (Deferred): elementwise ops cannot take
+// the observer's fast path, they flush it.
+void set_deferred_pending(bool pending);
+
+// Inside the audit: TrainSan's own ops are not audited and need no autograd. (Where we issue ops,
+// RecordFunction is switched off as well, which also keeps them out of a user's profile; not
+// here, because toggling it rebuilds ATen's thread-local callback cache.)
+class OwnOps {
+ public:
+  OwnOps();
+  ~OwnOps();
+  OwnOps(const OwnOps&) = delete;
+  OwnOps& operator=(const OwnOps&) = delete;
+
+ private:
+  bool prev_;
+  at::NoGradGuard no_grad_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// audit.cpp
+
+// Records a finding of `step` in the sink (nothing once the OpAudit is gone). `say_now`: the op
+// is likely to fail right after, before the next event could report it; print it at once.
+void record(Core& c, Kind kind, const std::string& name, const std::string& message,
+            std::optional<double> value, int64_t step, bool say_now);
+
+// ---------------------------------------------------------------------------------------------
+// broadcast.cpp: elementwise and loss ops
+
+void flush_deferred(Core& c);
+void on_elementwise(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in);
+void on_broadcast_tensors(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in);
+void on_loss(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in);
+
+// ---------------------------------------------------------------------------------------------
+// labels.cpp: class-index ops
+
+void on_class_index(Core& c, const OpInfo& info, const char* name,
+                    c10::ArrayRef<const c10::IValue> in);
+// The class-index rules for one call of `step`; `now` reads device targets at once (sync, or the
+// Python layer's check before the op); `from_op`: called from the op's callback.
+void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
+                        const at::Tensor& target, std::optional<int64_t> ignore,
+                        int64_t num_classes, int64_t step, bool now, bool from_op);
+// Starts the copies of the device label flags recorded so far (one per device) and queues them
+// in the read-back queue (Phase::kLabels); its drain reports them.
+void ship_device_checks(const std::shared_ptr<Core>& core);
+
+}  // namespace trainsan::host::audit

@@ -1,0 +1,214 @@
+// The class-index rules of the op audit (Note [Op audit] in audit/observer.cpp): `label_range`
+// and `batch_mismatch` of cross_entropy, nll_loss, multi_margin_loss and one_hot, on the host or
+// as device flags read back a step later (Note [Lagged checks]).
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <utility>
+
+#include "audit/core.h"
+#include "finding_sink.h"
+#include "readback.h"
+#include "trainsan/stats.h"
+
+namespace trainsan::host::audit {
+
+namespace {
+
+// Bad-value count, min and max over the non-ignored values of an integer target.
+struct LabelStats {
+  int64_t bad = 0;
+  int64_t lo = std::numeric_limits<int64_t>::max();
+  int64_t hi = std::numeric_limits<int64_t>::min();
+};
+
+LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
+                            std::optional<int64_t> ignore) {
+  const at::DisableRecordFunctionGuard unobserved;
+  const at::Tensor t = target.to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t* p = t.const_data_ptr<int64_t>();
+  LabelStats s;
+  for (int64_t k = 0, n = t.numel(); k < n; ++k) {
+    const int64_t v = p[k];
+    if (ignore && v == *ignore) continue;
+    s.lo = std::min(s.lo, v);
+    s.hi = std::max(s.hi, v);
+    s.bad += (v < 0 || v >= classes) ? 1 : 0;
+  }
+  return s;
+}
+
+// The same figures as an int64 [3] tensor on the target's device, with no synchronisation.
+at::Tensor label_flags_device(const at::Tensor& target, int64_t classes,
+                              std::optional<int64_t> ignore) {
+  const at::DisableRecordFunctionGuard unobserved;
+  const at::Tensor v = target.to(at::kLong).reshape({-1});
+  const at::Tensor valid = ignore ? v.ne(*ignore) : at::ones_like(v, v.options().dtype(at::kBool));
+  const at::Tensor bad = at::logical_and(at::logical_or(v.lt(0), v.ge(classes)), valid);
+  const at::Tensor lo = at::where(valid, v, at::Scalar(std::numeric_limits<int64_t>::max())).amin();
+  const at::Tensor hi = at::where(valid, v, at::Scalar(std::numeric_limits<int64_t>::min())).amax();
+  return at::stack({bad.sum(), lo, hi});
+}
+
+void report_labels(Core& c, const LabelCheck& k, const LabelStats& s, bool from_op) {
+  if (s.bad == 0) return;
+  const bool one_hot = k.op == "aten::one_hot";
+  const bool known = k.classes != std::numeric_limits<int64_t>::max();
+  std::ostringstream msg;
+  msg << "the target of " << op_desc(k.op, k.src) << " holds " << s.bad << " of " << k.numel
+      << " class indices outside [0, " << (known ? std::to_string(k.classes) : "inf") << ")";
+  if (k.ignore) msg << " that are not ignore_index (" << *k.ignore << ")";
+  msg << " (values " << s.lo << ".." << s.hi << ")" << at_source(k.src) << " — ";
+  if (known && s.lo >= 1 && s.hi == k.classes) {
+    msg << "the labels look 1-based (1.." << k.classes
+        << "): subtract 1 from them (or give the model " << k.classes + 1
+        << " outputs if there really are that many classes)";
+  } else if (s.lo < 0 && one_hot) {
+    msg << "one_hot needs non-negative class indices: drop or remap padding such as " << s.lo
+        << " before one_hot";
+  } else if (s.lo < 0) {
+    msg << "negative labels such as " << s.lo << " are neither classes nor the ignore_index";
+    if (k.ignore) msg << " (" << *k.ignore << ")";
+    msg << ": mark padding with the ignore_index, or pass ignore_index=" << s.lo;
+  } else {
+    msg << "the model has " << k.classes << " classes but the target holds class " << s.hi
+        << ": check the output layer's size (num_classes) against the label set";
+  }
+  record(c, Kind::label_range, finding_name(k.op, k.src), msg.str(), static_cast<double>(s.bad),
+         k.step, /*say_now=*/from_op);
+}
+
+}  // namespace
+
+void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
+                        const at::Tensor& target, std::optional<int64_t> ignore,
+                        int64_t num_classes, int64_t step, bool now, bool from_op) {
+  if (!target.defined()) return;
+  int64_t classes = num_classes;
+  if (classes < 0 && input.defined()) {
+    if (input.dim() == 0) return;
+    classes = input.dim() >= 2 ? input.size(1) : input.size(0);
+  }
+  if (classes < 0) classes = std::numeric_limits<int64_t>::max();  // one_hot(num_classes=-1)
+  // The Python sync path checks a target before the op, whose callback then sees it again.
+  LastTarget& last = c.last_target;
+  const bool has_storage = target.has_storage();
+  const int64_t batch = input.defined() && input.dim() >= 2 ? input.size(0) : -1;
+  if (has_storage && static_cast<bool>(last.storage) &&
+      last.storage.is_alias_of(target.storage()) && last.offset == target.storage_offset() &&
+      last.numel == target.numel() && last.version == target._version() &&
+      last.classes == classes && last.ignore == ignore && last.batch == batch) {
+    return;
+  }
+  if (has_storage) {
+    last = LastTarget{target.storage(),
+                      target.storage_offset(),
+                      target.numel(),
+                      target._version(),
+                      classes,
+                      ignore,
+                      batch};
+  }
+  Source src;
+  bool have_src = false;
+  auto source = [&]() -> const Source& {
+    if (!have_src) src = python_source(c.cfg.skip_frames);
+    have_src = true;
+    return src;
+  };
+  if (c.cfg.batch_mismatch && input.defined() && input.dim() >= 2 && target.dim() >= 1 &&
+      target.size(0) != input.size(0)) {
+    const Source& s = source();
+    record(c, Kind::batch_mismatch, finding_name(op, s),
+           op_desc(op, s) + " got input of batch size " + std::to_string(input.size(0)) + " " +
+               shape_str(input.sizes().vec()) + " and target of batch size " +
+               std::to_string(target.size(0)) + " " + shape_str(target.sizes().vec()) +
+               at_source(s) +
+               " — input and target come from different batches, or a reshape/transpose "
+               "moved the batch dimension",
+           static_cast<double>(target.size(0)), step, /*say_now=*/from_op);
+  }
+  if (!c.cfg.label_range || !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) ||
+      target.numel() == 0) {
+    return;
+  }
+  LabelCheck k{op, target.numel(), classes, ignore, step, {}};
+  if (target.is_cuda() && !now && !c.cfg.sync && cuda_compiled()) {
+    k.src = source();
+    at::Tensor flags = label_flags_device(target, classes, ignore);
+    const std::lock_guard<std::mutex> lock(c.mu);
+    c.device_checks.push_back({std::move(k), std::move(flags)});
+    return;
+  }
+  const LabelStats s = label_stats_host(target, classes, ignore);
+  if (s.bad > 0) {
+    k.src = source();
+    report_labels(c, k, s, from_op);
+  }
+}
+
+void on_class_index(Core& c, const OpInfo& info, const char* name,
+                    c10::ArrayRef<const c10::IValue> in) {
+  if (!c.cfg.label_range && !c.cfg.batch_mismatch) return;
+  if (info.cls == OpClass::kOneHot) {
+    if (in.size() < 2 || !in[0].isTensor() || !in[1].isInt()) return;
+    check_class_target(c, name, at::Tensor(), in[0].toTensor(), std::nullopt, in[1].toInt(), c.step,
+                       /*now=*/false, /*from_op=*/true);
+    return;
+  }
+  if (in.size() < 2 || !in[0].isTensor() || !in[1].isTensor()) return;
+  std::optional<int64_t> ignore;
+  if (info.ignore_arg >= 0) {
+    ignore = -100;
+    const auto k = static_cast<size_t>(info.ignore_arg);
+    if (k < in.size() && in[k].isInt()) ignore = in[k].toInt();
+  }
+  check_class_target(c, name, in[0].toTensor(), in[1].toTensor(), ignore, -1, c.step,
+                     /*now=*/false, /*from_op=*/true);
+}
+
+void ship_device_checks(const std::shared_ptr<Core>& core) {
+  Core& c = *core;
+  std::vector<DeviceCheck> checks;
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    checks.swap(c.device_checks);
+  }
+  if (checks.empty()) return;
+  const OwnOps own;
+  const at::DisableRecordFunctionGuard unobserved;
+  std::map<std::pair<int, int>, std::vector<size_t>> by_device;
+  for (size_t k = 0; k < checks.size(); ++k) {
+    const at::Device d = checks[k].flags.device();
+    by_device[{static_cast<int>(d.type()), d.index()}].push_back(k);
+  }
+  for (const auto& [dev, idx] : by_device) {
+    std::vector<at::Tensor> flags;
+    std::vector<LabelCheck> ks;
+    for (const size_t k : idx) {
+      flags.push_back(checks[k].flags);
+      ks.push_back(std::move(checks[k].check));
+    }
+    const at::Tensor ints = at::stack(flags);
+    HostCopy copy =
+        start_host_copy({ints, at::empty({ints.size(0), 0}, ints.options().dtype(at::kDouble))});
+    // Row r of the copy holds the flags of ks[r]. The consumer keeps the Core alive; once the
+    // OpAudit is gone its sink is null and the report records nothing.
+    auto consume = [core, ks = std::move(ks)](const PackedStats& host) {
+      const int64_t* p = host.ints.const_data_ptr<int64_t>();
+      for (size_t r = 0; r < ks.size(); ++r) {
+        const LabelStats s{p[3 * r], p[3 * r + 1], p[3 * r + 2]};
+        report_labels(*core, ks[r], s, /*from_op=*/false);
+      }
+    };
+    const std::lock_guard<std::mutex> lock(c.mu);
+    if (c.readback == nullptr) return;
+    c.readback->push(std::move(copy), ReadbackQueue::Phase::kLabels, std::move(consume));
+  }
+}
+
+}  // namespace trainsan::host::audit

@@ -1,0 +1,66 @@
+// nonfinite_loss, nonfinite_grad, nonfinite_param, nonfinite_activation and fp16_overflow: values
+// that are (or will become, under fp16 autocast) NaN or ±Inf.
+#include <sstream>
+
+#include "checks/check.h"
+
+namespace trainsan::host {
+
+namespace {
+
+std::string nonfinite_text(const TensorStats& s) {
+  std::ostringstream os;
+  os << s.nan << " NaN, " << s.posinf << " +Inf and " << s.neginf << " -Inf values of " << s.numel;
+  return os.str();
+}
+
+}  // namespace
+
+void NonfiniteCheck::on_loss(const TensorStats& loss, int64_t step) {
+  if (loss.nonfinite() == 0) return;
+  sink_.add(Kind::nonfinite_loss, "",
+            "the loss holds " + nonfinite_text(loss) +
+                " — check the model outputs and the loss inputs (log of 0, division by 0, too "
+                "large a learning rate in the previous step)",
+            static_cast<double>(loss.nonfinite()), step);
+}
+
+void NonfiniteCheck::on_step(const StepView& v) {
+  for (const ParamView& p : v.params) {
+    if (p.grad && p.grad->nonfinite() > 0) {
+      sink_.add(Kind::nonfinite_grad, p.name,
+                p.name + ".grad holds " + nonfinite_text(*p.grad) +
+                    " — look for log/sqrt/division of zero or negative values, too large a "
+                    "learning rate, or fp16 overflow in the forward; "
+                    "torch.autograd.set_detect_anomaly(True) names the op",
+                static_cast<double>(p.grad->nonfinite()), v.step);
+    }
+    if (p.param.nonfinite() > 0) {
+      sink_.add(Kind::nonfinite_param, p.name,
+                p.name + " holds " + nonfinite_text(p.param) +
+                    " after the step — a non-finite gradient or learning rate reached the "
+                    "weights; check the gradients at this step and the optimizer's state",
+                static_cast<double>(p.param.nonfinite()), v.step);
+    }
+    if (v.fp16_in_use && p.param.fp16_overflow > 0) {
+      sink_.add(Kind::fp16_overflow, p.name,
+                p.name + " holds " + std::to_string(p.param.fp16_overflow) +
+                    " values beyond ±65504, which become Inf when cast to fp16 under autocast — "
+                    "use bfloat16, rescale, or keep this computation in float32",
+                static_cast<double>(p.param.fp16_overflow), v.step);
+    }
+  }
+}
+
+void NonfiniteCheck::on_module_output(const ModuleRef& module, const TensorStats& output,
+                                      int64_t step) {
+  if (output.nonfinite() == 0) return;
+  const std::string type = module.type.empty() ? "" : " (" + module.type + ")";
+  sink_.add(Kind::nonfinite_activation, module.name,
+            "the output of " + module.name + type + " holds " + std::to_string(output.nan) +
+                " NaN and " + std::to_string(output.posinf + output.neginf) +
+                " ±Inf values — the first module whose output is non-finite is where to look",
+            static_cast<double>(output.nonfinite()), step);
+}
+
+}  // namespace trainsan::host

@@ -1,0 +1,30 @@
+// Where checks and audits write findings (torch-free). The sanitizer's implementation
+// (findings.h) enables, de-duplicates, counts, traces and queues each one for the policy.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "trainsan/finding.h"
+#include "trainsan/kinds.h"
+
+namespace trainsan::host {
+
+class FindingSink {
+ public:
+  virtual ~FindingSink() = default;
+  /// Records a finding of `kind` about `tensor` (a parameter or module name, or "") seen at
+  /// `step`. `message` is the text after the "<kind> at step <step>: " prefix the sink adds.
+  /// Returns the finding when it is new; nullptr when its kind is switched off or it repeats an
+  /// earlier one (same kind and tensor), which is then counted.
+  virtual const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
+                             std::optional<double> value, int64_t step) = 0;
+};
+
+/// Number formatting of the messages: 4 significant digits.
+std::string fmt(double v);
+/// "[trainsan] <severity>: <message>" on stderr: the "warn" answer outside Python.
+void print_finding(const Finding& f);
+
+}  // namespace trainsan::host

@@ -1,0 +1,49 @@
+// The FindingStore (findings.h).
+#include "findings.h"
+
+namespace trainsan::host {
+
+const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std::string& message,
+                                 std::optional<double> value, int64_t step) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (enabled_.empty()) {
+    for (const KindInfo& k : kinds()) enabled_.push_back(opts_.enabled(k.name));
+  }
+  if (!enabled_[static_cast<size_t>(kind)]) return nullptr;
+  const KindInfo& k = info(kind);
+  const std::string key = std::string(k.name) + '\x1f' + tensor;
+  auto it = index_.find(key);
+  if (it != index_.end()) {
+    Finding& f = findings_[it->second];
+    f.count += 1;
+    f.last_step = step;
+    return nullptr;
+  }
+  Finding f;
+  f.kind = k.name;
+  f.step = step;
+  f.last_step = step;
+  f.severity = severity_name(k.severity);
+  f.tensor = tensor;
+  f.message = f.kind + " at step " + std::to_string(step) + ": " + message;
+  f.value = value;
+  index_[key] = findings_.size();
+  findings_.push_back(f);
+  trace_.finding(f);
+  fresh_.push_back(f);
+  return &findings_.back();
+}
+
+std::vector<Finding> FindingStore::all() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return findings_;
+}
+
+std::vector<Finding> FindingStore::take_fresh() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Finding> out;
+  out.swap(fresh_);
+  return out;
+}
+
+}  // namespace trainsan::host

@@ -1,0 +1,37 @@
+// The sanitizer's findings: the FindingSink every check and audit writes to. It enables (Options),
+// prefixes, de-duplicates and counts, traces each new finding, and keeps the new ones for the
+// policy until the event that reports them (take_fresh).
+#pragma once
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "finding_sink.h"
+#include "trace.h"
+#include "trainsan/options.h"
+
+namespace trainsan::host {
+
+class FindingStore final : public FindingSink {
+ public:
+  FindingStore(const Options& opts, TraceWriter& trace) : opts_(opts), trace_(trace) {}
+  const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
+                     std::optional<double> value, int64_t step) override;
+  /// Every distinct finding so far, with counts (a copy: callbacks may add concurrently).
+  std::vector<Finding> all() const;
+  /// The findings that are new since the last call, for the policy.
+  std::vector<Finding> take_fresh();
+
+ private:
+  const Options& opts_;
+  TraceWriter& trace_;
+  mutable std::mutex mu_;
+  std::vector<bool> enabled_;  // per Kind, resolved once
+  std::vector<Finding> findings_;
+  std::map<std::string, size_t> index_;  // kind + "\x1f" + tensor -> position in findings_
+  std::vector<Finding> fresh_;
+};
+
+}  // namespace trainsan::host

@@ -1,0 +1,192 @@
+// Gradient bookkeeping (Note [Grad identity] in grad_tracker.h).
+#include "grad_tracker.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace trainsan::host {
+
+namespace {
+
+// Post-hook on a parameter's AccumulateGrad node (the pattern of DDP's reducer): runs after the
+// gradient has been accumulated into .grad, on the autograd engine's thread. Bookkeeping only.
+struct AccumulatePostHook : torch::autograd::FunctionPostHook {
+  AccumulatePostHook(std::weak_ptr<GradTracker*> owner, size_t index)
+      : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto o = owner_.lock()) (*o)->on_grad_accumulated(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<GradTracker*> owner_;
+  size_t index_;
+};
+
+}  // namespace
+
+GradTracker::GradTracker(const std::vector<TrackedParam>& params, bool have_optimizer,
+                         std::function<void()> on_backward)
+    : params_(params),
+      have_optimizer_(have_optimizer),
+      on_backward_(std::move(on_backward)),
+      grad_(params.size()) {}
+
+GradTracker::~GradTracker() {
+  try {
+    remove();
+  } catch (...) {
+  }
+}
+
+void GradTracker::install() {
+  if (!hook_keys_.empty()) return;
+  self_token_ = std::make_shared<GradTracker*>(this);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].param;
+    if (!p.requires_grad() || !p.is_leaf()) {
+      accumulators_.emplace_back();
+      hook_keys_.push_back(0);
+      continue;
+    }
+    // Holding the accumulator keeps it (and the hook) alive across graphs, as DDP does.
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    const uintptr_t key = acc->add_post_hook(std::make_unique<AccumulatePostHook>(self_token_, i));
+    accumulators_.push_back(std::move(acc));
+    hook_keys_.push_back(key);
+  }
+}
+
+void GradTracker::remove() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+  accumulators_.clear();
+  hook_keys_.clear();
+  self_token_.reset();  // a hook still running elsewhere sees the owner gone
+}
+
+void GradTracker::set_in_step(bool in_step) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  in_step_ = in_step;
+}
+
+bool GradTracker::in_step() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return in_step_;
+}
+
+int64_t GradTracker::training_forward(std::vector<std::string>* skipped) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (grad_since_forward_) backwards_since_step_ += 1;
+  grad_since_forward_ = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (grad_[i].skipped && skipped != nullptr) skipped->push_back(params_[i].name);
+    grad_[i].skipped = false;
+  }
+  return backwards_since_step_;
+}
+
+void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
+                          std::vector<Consumed>* out) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  in_step_ = false;
+  backwards_since_step_ = 0;
+  grad_since_forward_ = false;
+  out->clear();
+  for (const size_t i : indices) {
+    GradState& s = grad_[i];
+    Consumed c;
+    c.observed = {s.got_grad, s.stale, s.accumulated};
+    const at::Tensor& g = params_[i].param.grad();
+    c.at_step = !g.defined() ? GradAtStep::kNone
+                : (s.last.get() == g.unsafeGetTensorImpl() && g._version() == s.last_version)
+                    ? GradAtStep::kAsBackwardLeft
+                    : GradAtStep::kModified;
+    out->push_back(c);
+    const bool orphan = params_[i].opt < 0;
+    if (!manual && !orphan) {
+      if (g.defined()) {
+        s.consumed = WeakImpl(g);
+        s.consumed_version = g._version();
+      }
+      s.step_since_clear = true;
+      s.unused_clears = 0;
+    }
+    s.got_grad = false;
+    s.stale = false;
+    s.accumulated = false;
+    if (manual) s.produced_since_clear = false;
+  }
+}
+
+bool GradTracker::as_backward_left(size_t i) const {
+  const at::Tensor& g = params_[i].param.grad();
+  const std::lock_guard<std::mutex> lock(mu_);
+  const GradState& s = grad_[i];
+  return g.defined() && s.last.get() == g.unsafeGetTensorImpl() && s.last_version == g._version();
+}
+
+bool GradTracker::any_produced() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& g : grad_) {
+    if (g.produced_since_clear) return true;
+  }
+  return false;
+}
+
+void GradTracker::amp_skip(int64_t opt) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (opt < 0 || params_[i].opt == opt) {
+      grad_[i].step_since_clear = true;  // the scaler consumed the gradient, on purpose
+      grad_[i].unused_clears = 0;
+      grad_[i].got_grad = false;
+    }
+  }
+  in_step_ = false;
+}
+
+void GradTracker::on_grad_accumulated(size_t i) {
+  if (on_backward_) on_backward_();  // backward has started: the op audit covers forward only
+  const at::Tensor& g = params_[i].param.grad();
+  if (!g.defined()) return;
+  const std::lock_guard<std::mutex> lock(mu_);
+  GradState& s = grad_[i];
+  const c10::TensorImpl* impl = g.unsafeGetTensorImpl();
+  const uint32_t ver = g._version();
+  const bool onto_consumed = s.consumed.get() == impl && ver == s.consumed_version + 1;
+  const bool onto_last = s.last.get() == impl && ver == s.last_version + 1;
+  if (!in_step_) {
+    if (onto_consumed && have_optimizer_) {
+      s.stale = true;
+    } else if (onto_last) {
+      s.accumulated = true;
+    } else if (s.produced_since_clear && !s.step_since_clear && have_optimizer_ &&
+               params_[i].opt >= 0) {
+      // Cleared (zero_grad) although no step used the previous gradient. Once is legitimate:
+      // another model's backward (GAN) leaves gradients here that this model's zero_grad
+      // discards before its own backward. Twice in a row with no step of this parameter's
+      // optimizer in between means its steps are missing.
+      s.unused_clears += 1;
+      if (s.unused_clears >= 2) s.skipped = true;
+    }
+    if (!onto_last && !onto_consumed) s.step_since_clear = false;
+  }
+  if (!onto_last && !onto_consumed) {
+    // A fresh .grad: whatever was accumulated onto a consumed gradient before has been cleared
+    // (zero_grad / set to None) without a step using it, so it can no longer be stale.
+    s.stale = false;
+    s.accumulated = false;
+  }
+  s.produced_since_clear = true;
+  s.got_grad = true;
+  grad_since_forward_ = true;
+  s.last = WeakImpl(g);
+  s.last_version = ver;
+}
+
+}  // namespace trainsan::host

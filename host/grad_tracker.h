@@ -1,0 +1,122 @@
+// Gradient bookkeeping: post-hooks on the parameters' AccumulateGrad nodes record, on the
+// autograd engine's threads, which parameters got a gradient and whether it landed on a gradient
+// that a step had already consumed (Note [Grad identity]). No kernel launches, no device syncs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checks/check.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace trainsan::host {
+
+// Note [Grad identity]
+// ~~~~~~~~~~~~~~~~~~~~
+// Whether a backward accumulated onto an old gradient is told by the identity of the .grad
+// tensor and its version counter, not by its values: AccumulateGrad either writes a fresh tensor
+// into .grad (after zero_grad(set_to_none=True), or when .grad was None) or adds in place into the
+// existing one, bumping its version by exactly one. So "the .grad a step consumed, at the version
+// it had then, plus one" means the backward added onto a gradient that was never cleared
+// (stale_grad, outside declared accumulation); "the .grad the last backward left, plus one" means
+// accumulation across backwards before one step (legitimate); anything else is a fresh or
+// zeroed gradient. zero_grad(set_to_none=False) zeroes in place (version + 1) and the next
+// backward adds again (+1): two bumps, so it reads as cleared. Identities are held weakly
+// (WeakImpl): a freed gradient whose address is reused is never mistaken for the old one.
+
+// Identity of a .grad tensor without keeping it alive.
+class WeakImpl {
+ public:
+  WeakImpl() = default;
+  explicit WeakImpl(const at::Tensor& t)
+      : p_(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr())) {}
+  const c10::TensorImpl* get() const { return p_ ? p_->lock().get() : nullptr; }
+
+ private:
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> p_;
+};
+
+// Per-parameter bookkeeping written by the gradient hook.
+struct GradState {
+  bool got_grad = false;  // a gradient arrived since the last step of its optimizer
+  bool produced_since_clear = false;
+  bool step_since_clear = false;  // its optimizer stepped since the gradient was last cleared
+  bool stale = false;             // accumulated onto a gradient a step had already consumed
+  bool accumulated = false;       // (manual mode) accumulated onto an uncleared gradient
+  bool skipped = false;           // cleared twice without any step of its optimizer since
+  WeakImpl last;                  // the .grad as left by the last accumulation
+  uint32_t last_version = 0;
+  WeakImpl consumed;  // the .grad as consumed by the last step
+  uint32_t consumed_version = 0;
+  int64_t unused_clears = 0;  // clears without a step of its optimizer since the last step
+};
+
+struct TrackedParam {
+  std::string name;
+  at::Tensor param;
+  int64_t opt = -1;  // index of the optimizer holding it, -1 when in none
+};
+
+/// What a step consumes of one parameter's gradient (GradTracker::consume).
+struct Consumed {
+  GradObservation observed;
+  GradAtStep at_step = GradAtStep::kAsBackwardLeft;
+};
+
+class GradTracker {
+ public:
+  /// `on_backward` runs on the engine thread at every accumulation (the op audit stops there).
+  GradTracker(const std::vector<TrackedParam>& params, bool have_optimizer,
+              std::function<void()> on_backward);
+  ~GradTracker();
+  GradTracker(const GradTracker&) = delete;
+  GradTracker& operator=(const GradTracker&) = delete;
+
+  void install();
+  void remove();
+  bool installed() const { return !hook_keys_.empty(); }
+
+  /// Between an optimizer's step pre- and post-hook, accumulations are the optimizer's business.
+  void set_in_step(bool in_step);
+  bool in_step() const;
+  /// A training forward: counts the backward that ran since the previous one; returns the count
+  /// of backward passes since the last step, and takes the parameters whose gradients were
+  /// cleared unused twice (GradState::skipped).
+  int64_t training_forward(std::vector<std::string>* skipped);
+  /// A step consumes the gradients of `indices` as they are now: fills `out` with what the hooks
+  /// saw for each; `manual` (no optimizer) only resets the flags.
+  void consume(const std::vector<size_t>& indices, bool manual, std::vector<Consumed>* out);
+  /// Whether .grad of parameter i is still exactly what the last backward left.
+  bool as_backward_left(size_t i) const;
+  /// Any gradient produced since the last manual boundary.
+  bool any_produced() const;
+  /// The GradScaler skipped the step of optimizer `opt` on purpose (Inf/NaN found).
+  void amp_skip(int64_t opt);
+
+  void on_grad_accumulated(size_t index);  // the hook body (engine threads)
+
+ private:
+  const std::vector<TrackedParam>& params_;
+  const bool have_optimizer_;
+  std::function<void()> on_backward_;
+  mutable std::mutex mu_;
+  std::vector<GradState> grad_;
+  bool in_step_ = false;
+  bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
+  int64_t backwards_since_step_ = 0;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::shared_ptr<GradTracker*> self_token_;  // hooks hold it weakly
+};
+
+}  // namespace trainsan::host

@@ -1,0 +1,54 @@
+// The kind table (kinds.def), the policy's answer to a finding, and message formatting.
+// Torch-free: part of trainsan_checks.
+#include "trainsan/kinds.h"
+
+#include <iostream>
+#include <sstream>
+
+#include "finding_sink.h"
+#include "trainsan/finding.h"
+
+namespace trainsan {
+
+const std::vector<KindInfo>& kinds() {
+  static const std::vector<KindInfo> table = {
+#define TRAINSAN_KIND(name, severity, on, family, rule) \
+  {Kind::name, #name, Severity::severity, on, #family, rule},
+#include "trainsan/kinds.def"
+#undef TRAINSAN_KIND
+  };
+  return table;
+}
+
+const KindInfo& info(Kind kind) { return kinds()[static_cast<size_t>(kind)]; }
+
+const char* severity_name(Severity s) { return s == Severity::kError ? "error" : "warning"; }
+
+std::optional<Kind> kind_from_name(std::string_view name) {
+  for (const KindInfo& k : kinds()) {
+    if (name == k.name) return k.kind;
+  }
+  return std::nullopt;
+}
+
+Action policy_action(const std::string& policy, const Finding& finding) {
+  if (policy == "record") return Action::kNone;
+  if (policy == "raise" && finding.severity == "error") return Action::kRaise;
+  return Action::kWarn;
+}
+
+namespace host {
+
+std::string fmt(double v) {
+  std::ostringstream os;
+  os.precision(4);
+  os << v;
+  return os.str();
+}
+
+void print_finding(const Finding& f) {
+  std::cerr << "[trainsan] " << f.severity << ": " << f.message << '\n';
+}
+
+}  // namespace host
+}  // namespace trainsan

@@ -1,0 +1,259 @@
+// The step pass: one fused statistics pass per device over the stepping optimizer's gradients,
+// parameters and snapshot, queued for read-back (Note [Lagged checks]); when it lands, the
+// StepView that every check family reads, last_stats() and the trace's step record.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "nvtx.h"
+#include "sanitizer_impl.h"
+#include "stats.h"
+#include "stats_internal.h"
+
+namespace trainsan::host {
+
+namespace kn = kernels;
+using Clock = std::chrono::steady_clock;
+
+// A launched step pass: which rows hold what, and what the hooks saw at launch.
+struct SanitizerImpl::Pass {
+  int64_t step = 0;
+  int64_t opt = -1;
+  bool lr_zero = false;
+  bool manual = false;
+  bool hashed = true;  // fingerprints computed (else their column is 0 in last_stats/trace)
+  std::vector<size_t> indices;     // parameters in the pass
+  std::vector<Consumed> consumed;  // per entry of indices
+  std::vector<int64_t> grad_row;   // per entry: row of its gradient, -1 when none
+  std::vector<int64_t> param_row;
+  std::vector<std::pair<size_t, int64_t>> row_map;  // global row -> (copy, row in copy)
+  std::vector<ModuleRef> eval_modules;
+};
+
+namespace {
+
+struct Row {
+  TensorStats stats;
+  std::optional<UpdateStats> update;
+};
+
+std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<HostCopy>& copies) {
+  std::vector<std::vector<Row>> per_copy;
+  for (const auto& c : copies) {
+    const std::vector<TensorStats> st = unpack_stats(c.host);
+    std::vector<Row> rows(st.size());
+    const bool upd = c.host.ints.size(1) == kn::kIntFieldsUpdate;
+    const int64_t* ip = c.host.ints.const_data_ptr<int64_t>();
+    const double* fp = c.host.floats.const_data_ptr<double>();
+    for (size_t r = 0; r < st.size(); ++r) {
+      rows[r].stats = st[r];
+      if (!p.hashed) rows[r].stats.hash = 0;
+      if (upd) {
+        UpdateStats u;
+        u.changed = ip[r * kn::kIntFieldsUpdate + kn::kIntFields];
+        u.l2 = fp[r * kn::kFloatFieldsUpdate + kn::kFloatFields];
+        u.max = fp[r * kn::kFloatFieldsUpdate + kn::kFloatFields + 1];
+        rows[r].update = u;
+      }
+    }
+    per_copy.push_back(std::move(rows));
+  }
+  std::vector<Row> out(p.row_map.size());
+  for (size_t g = 0; g < p.row_map.size(); ++g) {
+    const auto [c, r] = p.row_map[g];
+    out[g] = per_copy[c][static_cast<size_t>(r)];
+  }
+  return out;
+}
+
+// Rows grouped by device, one pass each. Keyed by (device type, index): at::Device has no order.
+using DevKey = std::pair<int, int>;
+DevKey key_of(const at::Tensor& t) {
+  return {static_cast<int>(t.device().type()), t.device().index()};
+}
+
+}  // namespace
+
+void SanitizerImpl::initial_param_norms() {
+  prev_param_l2.assign(params.size(), std::nan(""));
+  if (!opts.track_updates) return;
+  snapshots.resize(params.size());
+  const at::NoGradGuard no_grad;
+  std::map<DevKey, std::vector<size_t>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].param.requires_grad()) {
+      snapshots[i] = params[i].param.detach().clone(at::MemoryFormat::Contiguous);
+    }
+    groups[key_of(params[i].param)].push_back(i);
+  }
+  // Norms before the first step, for the first update ratio: one fused pass per device.
+  for (const auto& [dev, idx] : groups) {
+    std::vector<at::Tensor> ts;
+    for (const size_t i : idx) ts.push_back(params[i].param.detach());
+    try {
+      const std::vector<TensorStats> st = unpack_stats(tensor_stats_packed(ts));
+      for (size_t j = 0; j < idx.size(); ++j) {
+        if (st[j].nonfinite() == 0) prev_param_l2[idx[j]] = st[j].l2;
+      }
+    } catch (const c10::Error&) {
+      // unsupported dtype: the first ratio of these parameters stays unknown
+    }
+  }
+}
+
+void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
+  const auto t0 = Clock::now();
+  TRAINSAN_NVTX_RANGE("trainsan/step");
+  if (closed) return;
+  audit->step_end();
+  auto p = std::make_shared<Pass>();
+  int64_t& opt_count = opt_steps[manual ? -1 : opt];  // Note [Step numbering]
+  p->step = opt_count;
+  opt_count += 1;
+  p->opt = opt;
+  p->lr_zero = lr_zero;
+  p->manual = manual;
+  p->eval_modules = std::move(current_eval_modules);
+  current_eval_modules.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    // A step covers its optimizer's parameters and those in no optimizer
+    // (param_not_in_optimizer).
+    const bool orphan = params[i].opt < 0;
+    if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
+    p->indices.push_back(i);
+  }
+  grads.consume(p->indices, manual, &p->consumed);
+  std::vector<HostCopy> copies;
+  {
+    TRAINSAN_NVTX_RANGE("trainsan/stats");
+    std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
+    // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
+    // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
+    p->hashed = opts.fingerprints || trace.traces(p->step);
+    std::map<DevKey, std::vector<int64_t>> global_rows;
+    int64_t row = 0;
+    auto push = [&](const at::Tensor& t, const at::Tensor& snap) {
+      const DevKey d = key_of(t);
+      tensors[d].push_back(t.detach());
+      snaps[d].push_back(snap);
+      global_rows[d].push_back(row);
+      return row++;
+    };
+    const size_t n = p->indices.size();
+    p->grad_row.assign(n, -1);
+    p->param_row.assign(n, -1);
+    for (size_t k = 0; k < n; ++k) {
+      const at::Tensor& g = params[p->indices[k]].param.grad();
+      // Manual loops clear gradients (zero_ / None) after their update and before the next
+      // forward, where this pass runs: only a gradient as the backward left it is checked.
+      const bool untouched = !manual || !g.defined() || grads.as_backward_left(p->indices[k]);
+      if (g.defined() && g.layout() == at::kStrided && untouched) {
+        p->grad_row[k] = push(g, at::Tensor());
+      }
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = p->indices[k];
+      const at::Tensor& prm = params[i].param;
+      at::Tensor snap = opts.track_updates && i < snapshots.size() ? snapshots[i] : at::Tensor();
+      if (snap.defined() && (snap.device() != prm.device() || snap.numel() != prm.numel() ||
+                             snap.scalar_type() != prm.scalar_type())) {
+        snap = at::Tensor();  // the parameter was replaced; start a new snapshot
+        snapshots[i] = prm.detach().clone(at::MemoryFormat::Contiguous);
+      }
+      p->param_row[k] = push(prm, snap);
+    }
+    p->row_map.assign(static_cast<size_t>(row), {0, 0});
+    for (auto& [dev, ts] : tensors) {
+      const std::vector<at::Tensor>& sn = snaps[dev];
+      const bool any_snap =
+          std::any_of(sn.begin(), sn.end(), [](const at::Tensor& t) { return t.defined(); });
+      const std::vector<char> no_hash(ts.size(), p->hashed ? 0 : 1);
+      PackedStats packed = ts.front().is_cuda()
+                               ? packed_cuda(ts, any_snap ? &sn : nullptr, &no_hash)
+                               : packed_cpu(ts, any_snap ? &sn : nullptr, &no_hash);
+      const size_t c = copies.size();
+      copies.push_back(start_host_copy(packed));
+      const auto& gr = global_rows[dev];
+      for (size_t r = 0; r < gr.size(); ++r) {
+        p->row_map[static_cast<size_t>(gr[r])] = {c, static_cast<int64_t>(r)};
+      }
+    }
+  }
+  step = std::max(step, opt_count);
+  readback.push(std::move(copies), ReadbackQueue::Phase::kPass,
+                [this, p](const std::vector<HostCopy>& c) { check_pass(*p, c); });
+  add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
+  readback.step_end();  // the previous pass (GPU), or this one (CPU, or sync)
+}
+
+void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {
+  TRAINSAN_NVTX_RANGE("trainsan/checks");
+  const auto t0 = Clock::now();
+  const std::vector<Row> rows = unpack_rows(p, copies);
+  StepView v;
+  v.step = p.step;
+  v.opt = p.opt;
+  v.lr_zero = p.lr_zero;
+  v.manual = p.manual;
+  v.have_optimizer = have_optimizer;
+  v.fp16_in_use = fp16_in_use;
+  v.eval_modules = p.eval_modules;
+  v.params.resize(p.indices.size());
+  for (size_t k = 0; k < p.indices.size(); ++k) {
+    const size_t i = p.indices[k];
+    const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
+    ParamView& pv = v.params[k];
+    pv.index = i;
+    pv.name = params[i].name;
+    pv.opt = params[i].opt;
+    pv.trainable = params[i].param.requires_grad();
+    pv.observed = p.consumed[k].observed;
+    pv.grad_at_step = p.consumed[k].at_step;
+    if (p.grad_row[k] >= 0) pv.grad = rows[static_cast<size_t>(p.grad_row[k])].stats;
+    pv.param = pr.stats;
+    pv.update = pr.update;
+    pv.param_l2_before = prev_param_l2[i];
+    prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
+  }
+  compute_totals(v);
+  checks.flow.on_step(v);
+  checks.nonfinite.on_step(v);
+  checks.magnitudes.on_step(v);
+  checks.integrity.on_step(v);
+  checks.mode.on_step(v);
+
+  // last_stats() and the step record.
+  last.clear();
+  StepRecord rec;
+  const bool traced = trace.traces(p.step);
+  for (const ParamView& pv : v.params) {
+    last[pv.name] = pv.param;
+    double key = pv.param.l2;
+    if (pv.grad) {
+      last[pv.name + ".grad"] = *pv.grad;
+      key = pv.grad->nonfinite() > 0 ? INFINITY : pv.grad->l2;
+    }
+    if (pv.update) {
+      TensorStats u;
+      u.numel = pv.param.numel;
+      u.l2 = pv.update->l2;
+      u.absmax = pv.update->max;
+      u.zero = pv.param.numel - pv.update->changed;
+      last[pv.name + ".update"] = u;
+    }
+    if (traced) rec.tensors.push_back({pv.name, pv.param, pv.grad, pv.update, key});
+  }
+  add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
+  if (traced) {
+    rec.step = p.step;
+    rec.opt = p.opt;
+    rec.lr_zero = p.lr_zero;
+    rec.overhead_s = step_overhead_s;
+    rec.totals = v.totals;
+    trace.step(rec);
+    step_overhead_s = 0.0;
+  }
+}
+
+}  // namespace trainsan::host

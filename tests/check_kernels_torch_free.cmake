@@ -1,0 +1,26 @@
+# Fails when a file of DIR (kernels/) includes a LibTorch header: torch/, ATen/, c10/ or caffe2/
+# (STYLE: kernels/ is torch-free, behind plain descriptors). Usage:
+#   cmake -DDIR=<source>/kernels -P check_kernels_torch_free.cmake
+if(NOT DIR OR NOT IS_DIRECTORY "${DIR}")
+  message(FATAL_ERROR "DIR='${DIR}' is not a directory (pass -DDIR=<source>/kernels)")
+endif()
+file(GLOB_RECURSE files LIST_DIRECTORIES false
+     "${DIR}/*.h" "${DIR}/*.hpp" "${DIR}/*.cuh" "${DIR}/*.cu" "${DIR}/*.cpp" "${DIR}/*.cc")
+list(LENGTH files n)
+if(n EQUAL 0)
+  message(FATAL_ERROR "no C++/CUDA sources under ${DIR}")
+endif()
+set(include_re "^[ \t]*#[ \t]*include[ \t]*[<\"](torch|ATen|c10|caffe2)/")
+set(bad "")
+foreach(f IN LISTS files)
+  file(STRINGS "${f}" lines REGEX "${include_re}")
+  foreach(line IN LISTS lines)
+    file(RELATIVE_PATH rel "${DIR}" "${f}")
+    string(STRIP "${line}" line)
+    string(APPEND bad "\n  ${rel}: ${line}")
+  endforeach()
+endforeach()
+if(bad)
+  message(FATAL_ERROR "kernels/ must not include LibTorch headers:${bad}")
+endif()
+message(STATUS "${n} files under ${DIR}, no torch/ATen/c10/caffe2 include")

@@ -1,0 +1,295 @@
+// The torch-free check families on synthetic views, continued (test_checks.cpp): magnitudes and
+// step integrity, thresholds pinned at their edges. Messages are compared in full.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "checks/check.h"
+#include "fake_sink.h"
+
+namespace trainsan::host {
+namespace {
+
+using testing::FakeSink;
+using testing::param;
+using testing::stats;
+
+const double kInf = std::numeric_limits<double>::infinity();
+
+// Totals are set directly: MagnitudeCheck reads only them (and the top gradient's name).
+StepView magnitude_step(int64_t step, double grad_norm, int64_t opt = 0) {
+  StepView v;
+  v.step = step;
+  v.opt = opt;
+  v.params = {param(0, "w", grad_norm)};
+  v.totals.grad_norm = grad_norm;
+  v.totals.top_grad = 0;
+  return v;
+}
+
+StepView ratio_step(int64_t step, double ratio) {
+  StepView v = magnitude_step(step, 1.0);
+  v.totals.any_update = true;
+  v.totals.ratio_denom = 1.0;
+  v.totals.update_ratio = ratio;
+  return v;
+}
+
+TEST(MagnitudeCheck, GradExplosionFactorBoundary) {
+  Options o;  // factor 50, warmup 5
+  for (const double norm : {50.0, std::nextafter(50.0, kInf)}) {
+    FakeSink sink;
+    MagnitudeCheck c(sink, o);
+    for (int64_t s = 0; s < 5; ++s) c.on_step(magnitude_step(s, 1.0));  // running average 1
+    c.on_step(magnitude_step(5, norm));
+    if (norm == 50.0) {
+      EXPECT_TRUE(sink.calls.empty());
+      continue;
+    }
+    ASSERT_EQ(sink.calls.size(), 1u);
+    EXPECT_EQ(sink.calls[0].kind, Kind::grad_explosion);
+    EXPECT_EQ(sink.calls[0].tensor, "");
+    EXPECT_EQ(sink.calls[0].message,
+              "the global gradient norm is 50, 50x its running average 1 (largest: w) — lower the "
+              "learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or look for an "
+              "unnormalised loss or input at this step");
+    EXPECT_EQ(sink.calls[0].value, norm);
+    // An exploding step stays out of the average: the next one fires again.
+    c.on_step(magnitude_step(6, norm));
+    EXPECT_EQ(sink.count(Kind::grad_explosion), 2);
+  }
+}
+
+TEST(MagnitudeCheck, GradExplosionWarmupBoundaryAndPerOptimizer) {
+  Options o;
+  o.grad_explosion_warmup = 5;
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  for (int64_t s = 0; s < 4; ++s) c.on_step(magnitude_step(s, 1.0));
+  c.on_step(magnitude_step(4, 1000.0));  // the 5th step: still warming up, enters the average
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(magnitude_step(5, 1000.0, /*opt=*/1));  // another optimizer: its own average
+  c.on_step(magnitude_step(6, 1.0e6, /*opt=*/1));
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(magnitude_step(7, 1.0e5));  // average 0.9 + 100 = 100.9: 1e5 > 50 x 100.9
+  EXPECT_EQ(sink.calls.size(), 1u);
+  // A non-finite gradient skips the rule and the average.
+  StepView nan = magnitude_step(8, 1.0e9);
+  nan.totals.any_nonfinite_grad = true;
+  c.on_step(nan);
+  EXPECT_EQ(sink.calls.size(), 1u);
+}
+
+TEST(MagnitudeCheck, GradExplosionLimit) {
+  Options o;
+  o.grad_explosion_limit = 10.0;
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  c.on_step(magnitude_step(0, 10.0));
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(magnitude_step(1, 11.0));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].message,
+            "the global gradient norm is 11, above the limit 10 (largest: w) — lower the learning "
+            "rate, clip gradients (torch.nn.utils.clip_grad_norm_), or look for an unnormalised "
+            "loss or input at this step");
+}
+
+TEST(MagnitudeCheck, UpdateRatioBandEdges) {
+  Options o;  // band [1e-8, 1], 3 steps
+  for (const double edge : {o.update_ratio_low, o.update_ratio_high}) {
+    FakeSink sink;
+    MagnitudeCheck c(sink, o);
+    for (int64_t s = 0; s < 5; ++s) c.on_step(ratio_step(s, edge));
+    EXPECT_TRUE(sink.calls.empty());
+  }
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  const double low = std::nextafter(o.update_ratio_low, 0.0);
+  c.on_step(ratio_step(0, low));
+  c.on_step(ratio_step(1, low));
+  c.on_step(ratio_step(2, 1e-3));  // back in the band: the count restarts
+  c.on_step(ratio_step(3, low));
+  c.on_step(ratio_step(4, low));
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(ratio_step(5, low));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::update_ratio);
+  EXPECT_EQ(sink.calls[0].message,
+            "the update ratio ||Δθ||/||θ|| (θ before the step) has been 1e-08 (outside [1e-08, "
+            "1]) for 3 step(s) — the learning rate is far too low for these weights (typical "
+            "ratios are 1e-4..1e-2)");
+  EXPECT_EQ(sink.calls[0].value, low);
+  EXPECT_EQ(sink.calls[0].step, 5);
+}
+
+TEST(MagnitudeCheck, UpdateRatioExtremeFiresOnOneStep) {
+  Options o;
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  c.on_step(ratio_step(0, 10.0));  // exactly 10x the upper bound: not extreme
+  EXPECT_TRUE(sink.calls.empty());
+  FakeSink sink2;
+  MagnitudeCheck c2(sink2, o);
+  c2.on_step(ratio_step(0, 12.5));
+  ASSERT_EQ(sink2.calls.size(), 1u);
+  EXPECT_EQ(sink2.calls[0].message,
+            "the update ratio ||Δθ||/||θ|| (θ before the step) has been 12.5 (outside [1e-08, "
+            "1]) for 1 step(s) — the learning rate is far too high for these weights (typical "
+            "ratios are 1e-4..1e-2)");
+}
+
+TEST(MagnitudeCheck, UpdateRatioNeedsAnUpdateAGradientAndALearningRate) {
+  Options o;
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  StepView v = ratio_step(0, 100.0);
+  v.lr_zero = true;
+  c.on_step(v);
+  v = ratio_step(1, 100.0);
+  v.totals.any_update = false;
+  c.on_step(v);
+  v = ratio_step(2, 100.0);
+  v.totals.grad_norm = 0.0;
+  c.on_step(v);
+  v = ratio_step(3, 100.0);
+  v.totals.ratio_denom = 0.0;
+  c.on_step(v);
+  EXPECT_TRUE(sink.calls.empty());
+}
+
+// --- step integrity ---
+
+TEST(StepIntegrityCheck, ClearedUnusedGradientsAtTheNextTrainingForward) {
+  FakeSink sink;
+  Options o;
+  StepIntegrityCheck c(sink, o);
+  ForwardView f;
+  f.step = 2;
+  f.skipped = {"fc.weight", "fc.bias"};
+  f.grad_enabled = false;  // only a training forward with grad enabled reports them
+  c.on_forward(f);
+  EXPECT_TRUE(sink.calls.empty());
+  f.grad_enabled = true;
+  c.on_forward(f);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::skipped_step);
+  EXPECT_EQ(sink.calls[0].tensor, "fc.weight");
+  EXPECT_EQ(sink.calls[0].message,
+            "gradients of 2 parameter(s) (e.g. fc.weight) were produced by backward() and then "
+            "cleared by zero_grad() without any optimizer.step() using them — call "
+            "optimizer.step() after backward()");
+  EXPECT_EQ(sink.calls[0].value, 2.0);
+  EXPECT_EQ(sink.calls[0].step, 2);
+}
+
+TEST(StepIntegrityCheck, MaxAccumulationBoundary) {
+  FakeSink sink;
+  Options o;
+  o.max_accumulation = 64;
+  StepIntegrityCheck c(sink, o);
+  ForwardView f;
+  f.backwards_since_step = 64;
+  c.on_forward(f);
+  EXPECT_TRUE(sink.calls.empty());
+  f.backwards_since_step = 65;
+  f.have_optimizer = false;
+  c.on_forward(f);
+  EXPECT_TRUE(sink.calls.empty());
+  f.have_optimizer = true;
+  c.on_forward(f);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[0].message,
+            "65 backward passes ran without an optimizer step (more than max_accumulation=64) — "
+            "optimizer.step() is never called, or the accumulation condition never holds");
+  EXPECT_EQ(sink.calls[0].value, 65.0);
+}
+
+StepView cleared_step(GradAtStep a, GradAtStep b, int64_t b_zero) {
+  StepView v;
+  v.step = 4;
+  v.params = {param(0, "a"), param(1, "b"), param(2, "unused"), param(3, "loose")};
+  v.params[0].grad_at_step = a;
+  v.params[1].grad_at_step = b;
+  v.params[1].grad->zero = b_zero;        // of 4
+  v.params[2].observed.got_grad = false;  // neither produced nor cleared: ignored
+  v.params[3].opt = -1;                   // in no optimizer: ignored
+  compute_totals(v);
+  return v;
+}
+
+TEST(StepIntegrityCheck, GradientsClearedBeforeTheStep) {
+  FakeSink sink;
+  Options o;
+  StepIntegrityCheck c(sink, o);
+  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kModified, 3));  // b clipped, not zeroed
+  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kAsBackwardLeft, 4));
+  EXPECT_TRUE(sink.calls.empty());
+  StepView manual = cleared_step(GradAtStep::kNone, GradAtStep::kNone, 0);
+  manual.manual = true;
+  c.on_step(manual);
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kModified, 4));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].message,
+            "optimizer.step() ran after the gradients of all 2 parameter(s) that got one since "
+            "the previous step had been cleared — zero_grad() is called between backward() and "
+            "step(); call it before backward() (or after step())");
+  EXPECT_EQ(sink.calls[0].value, 2.0);
+  EXPECT_EQ(sink.calls[0].step, 4);
+}
+
+TEST(StepIntegrityCheck, StepThatChangedNothing) {
+  Options o;
+  auto step = [](int64_t changed) {
+    StepView v;
+    v.params = {param(0, "w")};
+    v.params[0].update = UpdateStats{changed, 0.0, 0.0};
+    compute_totals(v);
+    return v;
+  };
+  FakeSink sink;
+  StepIntegrityCheck c(sink, o);
+  c.on_step(step(1));
+  StepView lr0 = step(0);
+  lr0.lr_zero = true;
+  c.on_step(lr0);
+  StepView manual = step(0);
+  manual.manual = true;
+  c.on_step(manual);
+  StepView no_grad = step(0);
+  no_grad.params[0].grad = stats(0.0);
+  compute_totals(no_grad);
+  c.on_step(no_grad);
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(step(0));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].message,
+            "optimizer.step() ran but changed no parameter although the gradients are nonzero — "
+            "the optimizer holds other tensors than the model's parameters (built before the "
+            "model was replaced or moved?), or its learning rate underflows");
+  EXPECT_EQ(sink.calls[0].value, 0.0);
+}
+
+TEST(StepIntegrityCheck, UpdateOutsideStepOnePerParameter) {
+  FakeSink sink;
+  sink.enabled[Kind::update_outside_step] = true;  // opt-in
+  Options o;
+  StepIntegrityCheck c(sink, o);
+  c.on_step_begin({}, 3);
+  c.on_step_begin({"w", "b"}, 3);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[0].tensor, "w");
+  EXPECT_EQ(sink.calls[1].tensor, "b");
+  EXPECT_EQ(sink.calls[0].message,
+            "w changed between the previous optimizer step and this one without a step — a "
+            "manual in-place update (.data, copy_, add_ under no_grad), a load_state_dict, or "
+            "another optimizer writing it");
+  EXPECT_FALSE(sink.calls[0].value);
+  EXPECT_EQ(sink.calls[0].step, 3);
+}
+
+}  // namespace
+}  // namespace trainsan::host
