@@ -14,8 +14,10 @@ default options, with ordinary public hooks and ordinary torch ops:
 Checks and default thresholds follow TrainSan's (``trainsan.OPTIONS``): nonfinite_grad,
 nonfinite_param, nonfinite_loss (``watch_loss``), grad_explosion, grad_vanishing, missing_grad,
 stale_grad, skipped_step, param_not_in_optimizer, update_ratio, no_grad_leak, eval_mode,
-duplicate_batch and fp16_overflow. It does not compute TrainSan's full per-tensor statistics
-(min/max/sum/subnormal counts/fingerprints), write a trace, or audit broadcasting.
+duplicate_batch and fp16_overflow; their severities are read from ``trainsan.KINDS`` (the C++
+kind table), so this module imports trainsan and needs its op library. It does not compute
+TrainSan's full per-tensor statistics (min/max/sum/subnormal counts/fingerprints), write a trace,
+or audit broadcasting.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+import trainsan
+
 __all__ = ["PyFinding", "PurePythonSanitizer"]
 
 _MODE_SENSITIVE = (
@@ -36,14 +40,6 @@ _MODE_SENSITIVE = (
     torch.nn.modules.batchnorm._BatchNorm,
     torch.nn.modules.instancenorm._InstanceNorm,
 )
-_WARNING_KINDS = {
-    "grad_explosion",
-    "grad_vanishing",
-    "update_ratio",
-    "eval_mode",
-    "duplicate_batch",
-    "fp16_overflow",
-}
 
 
 @dataclasses.dataclass
@@ -154,7 +150,7 @@ class PurePythonSanitizer:
             f.count += 1
             f.last_step = self.step
             return
-        severity = "warning" if kind in _WARNING_KINDS else "error"
+        severity = trainsan.KINDS[kind]  # the C++ kind table (kinds.def), not a copy
         f = PyFinding(kind, self.step, severity, tensor,
                       f"{kind} at step {self.step}: {message}", value, 1, self.step)
         self._index[key] = len(self.findings)

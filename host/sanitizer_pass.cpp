@@ -51,9 +51,9 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
       if (!p.hashed) rows[r].stats.hash = 0;
       if (upd) {
         UpdateStats u;
-        u.changed = ip[r * kn::kIntFieldsUpdate + kn::kIntFields];
-        u.l2 = fp[r * kn::kFloatFieldsUpdate + kn::kFloatFields];
-        u.max = fp[r * kn::kFloatFieldsUpdate + kn::kFloatFields + 1];
+        u.changed = ip[r * kn::kIntFieldsUpdate + kn::kColChanged];
+        u.l2 = fp[r * kn::kFloatFieldsUpdate + kn::kColUpdateL2];
+        u.max = fp[r * kn::kFloatFieldsUpdate + kn::kColUpdateMax];
         rows[r].update = u;
       }
     }

@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 
+#include "dispatch.h"
 #include "stats_internal.h"
 
 namespace trainsan {
@@ -47,8 +48,6 @@ std::optional<kn::DType> to_dtype(at::ScalarType st) {
   }
 }
 
-constexpr const char* kSupported =
-    "float32, float16, bfloat16, float64, int8, int16, int32, int64, uint8, bool";
 
 // Drop size-1 dims and merge neighbours that are contiguous with each other, so that most views
 // (slices, transposes of 2-D blocks, expanded dims) fit kMaxDims and contiguous ones become 1-D.
@@ -95,7 +94,7 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
     TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), fn, ": tensors[", i,
                       "] is on device ", t.device(), "; only CPU and CUDA tensors are supported");
     TORCH_CHECK_TYPE(to_dtype(t.scalar_type()).has_value(), fn, ": tensors[", i, "] has dtype ",
-                     t.scalar_type(), ", which is not supported (supported: ", kSupported, ")");
+                     t.scalar_type(), ", which is not supported (supported: " TRAINSAN_SUPPORTED_DTYPES ")");
   }
 }
 
@@ -267,7 +266,8 @@ std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
   TORCH_CHECK_VALUE(packed.ints.dim() == 2 && packed.ints.size(1) >= kn::kIntFields &&
                         packed.floats.dim() == 2 && packed.floats.size(1) >= kn::kFloatFields &&
                         packed.ints.size(0) == packed.floats.size(0),
-                    "unpack_stats: expected ints [N, 8] and floats [N, 5], got ",
+                    "unpack_stats: expected ints [N, ", kn::kIntFields, "] and floats [N, ", kn::kFloatFields,
+                    "], got ",
                     packed.ints.sizes(), " and ", packed.floats.sizes());
   const at::Tensor ints = packed.ints.to(at::kCPU, at::kLong).contiguous();
   const at::Tensor floats = packed.floats.to(at::kCPU, at::kDouble).contiguous();
@@ -278,23 +278,31 @@ std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
     const int64_t* r = ip + t * ints.size(1);
     const double* f = fp + t * floats.size(1);
     TensorStats& s = out[t];
-    s.numel = r[0];
-    s.nan = r[1];
-    s.posinf = r[2];
-    s.neginf = r[3];
-    s.zero = r[4];
-    s.subnormal = r[5];
-    s.fp16_overflow = r[6];
-    s.hash = static_cast<uint64_t>(r[7]);
+    s.numel = r[kn::kColNumel];
+    s.nan = r[kn::kColNan];
+    s.posinf = r[kn::kColPosinf];
+    s.neginf = r[kn::kColNeginf];
+    s.zero = r[kn::kColZero];
+    s.subnormal = r[kn::kColSubnormal];
+    s.fp16_overflow = r[kn::kColFp16Overflow];
+    s.hash = static_cast<uint64_t>(r[kn::kColHash]);
     auto opt = [](double v) { return std::isnan(v) ? std::nullopt : std::optional<double>(v); };
-    s.min = opt(f[0]);
-    s.max = opt(f[1]);
-    s.absmax = opt(f[2]);
-    s.sum = f[3];
-    s.l2 = f[4];
+    s.min = opt(f[kn::kColMin]);
+    s.max = opt(f[kn::kColMax]);
+    s.absmax = opt(f[kn::kColAbsmax]);
+    s.sum = f[kn::kColSum];
+    s.l2 = f[kn::kColL2];
   }
   return out;
 }
+
+std::vector<std::string> packed_field_names() {
+  std::vector<std::string> out(kn::kIntColNames, kn::kIntColNames + kn::kIntFields);
+  out.insert(out.end(), kn::kFloatColNames, kn::kFloatColNames + kn::kFloatFields);
+  return out;
+}
+
+size_t packed_int_fields() { return kn::kIntFields; }
 
 PackedStats pack_stats(const std::vector<TensorStats>& stats) {
   const auto n = static_cast<int64_t>(stats.size());
@@ -307,19 +315,19 @@ PackedStats pack_stats(const std::vector<TensorStats>& stats) {
     const TensorStats& s = stats[t];
     int64_t* r = ip + t * kn::kIntFields;
     double* f = fp + t * kn::kFloatFields;
-    r[0] = s.numel;
-    r[1] = s.nan;
-    r[2] = s.posinf;
-    r[3] = s.neginf;
-    r[4] = s.zero;
-    r[5] = s.subnormal;
-    r[6] = s.fp16_overflow;
-    r[7] = static_cast<int64_t>(s.hash);
-    f[0] = s.min.value_or(nan);
-    f[1] = s.max.value_or(nan);
-    f[2] = s.absmax.value_or(nan);
-    f[3] = s.sum;
-    f[4] = s.l2;
+    r[kn::kColNumel] = s.numel;
+    r[kn::kColNan] = s.nan;
+    r[kn::kColPosinf] = s.posinf;
+    r[kn::kColNeginf] = s.neginf;
+    r[kn::kColZero] = s.zero;
+    r[kn::kColSubnormal] = s.subnormal;
+    r[kn::kColFp16Overflow] = s.fp16_overflow;
+    r[kn::kColHash] = static_cast<int64_t>(s.hash);
+    f[kn::kColMin] = s.min.value_or(nan);
+    f[kn::kColMax] = s.max.value_or(nan);
+    f[kn::kColAbsmax] = s.absmax.value_or(nan);
+    f[kn::kColSum] = s.sum;
+    f[kn::kColL2] = s.l2;
   }
   return {ints, floats};
 }

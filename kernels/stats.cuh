@@ -269,33 +269,32 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
   r.dmax = max_(r.dmax, d < 0 ? -d : d);
 }
 
-// Final record -> packed public row: ints [numel nan posinf neginf zero subnormal fp16_overflow
-// hash], floats [min max absmax sum l2]; min/max/absmax are NaN when no element is finite.
+// Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
+// is finite.
 TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats) {
-  ints[0] = r.numel;
-  ints[1] = r.nan;
-  ints[2] = r.posinf;
-  ints[3] = r.neginf;
-  ints[4] = r.zero;
-  ints[5] = r.subnormal;
-  ints[6] = r.fp16_overflow;
-  ints[7] = static_cast<int64_t>(finalize_hash(r.hash, r.numel));
+  ints[kColNumel] = r.numel;
+  ints[kColNan] = r.nan;
+  ints[kColPosinf] = r.posinf;
+  ints[kColNeginf] = r.neginf;
+  ints[kColZero] = r.zero;
+  ints[kColSubnormal] = r.subnormal;
+  ints[kColFp16Overflow] = r.fp16_overflow;
+  ints[kColHash] = static_cast<int64_t>(finalize_hash(r.hash, r.numel));
   const int64_t finite = r.numel - r.nan - r.posinf - r.neginf;
   const double nan = static_cast<double>(NAN);
-  floats[0] = finite > 0 ? r.min : nan;
-  floats[1] = finite > 0 ? r.max : nan;
-  floats[2] = finite > 0 ? r.absmax : nan;
-  floats[3] = r.sum;
-  floats[4] = sqrt(r.sumsq);
+  floats[kColMin] = finite > 0 ? r.min : nan;
+  floats[kColMax] = finite > 0 ? r.max : nan;
+  floats[kColAbsmax] = finite > 0 ? r.absmax : nan;
+  floats[kColSum] = r.sum;
+  floats[kColL2] = sqrt(r.sumsq);
 }
 
-// Packed row with update statistics: the kIntFields/kFloatFields of pack_record, then changed,
-// and update l2 and update max.
+// Packed row with update statistics: pack_record's columns, then the update columns.
 TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats) {
   pack_record(r, ints, floats);
-  ints[kIntFields] = r.changed;
-  floats[kFloatFields] = sqrt(r.dsumsq);
-  floats[kFloatFields + 1] = r.dmax;
+  ints[kColChanged] = r.changed;
+  floats[kColUpdateL2] = sqrt(r.dsumsq);
+  floats[kColUpdateMax] = r.dmax;
 }
 
 }  // namespace trainsan::kernels

@@ -84,12 +84,42 @@ struct StatsRecord {
 };
 static_assert(sizeof(StatsRecord) == 16 * 8, "StatsRecord is copied as raw words");
 
-// Number of int64 and float64 columns in the packed result (host layer, Python).
-constexpr int kIntFields = 8;    // numel nan posinf neginf zero subnormal fp16_overflow hash
-constexpr int kFloatFields = 5;  // min max absmax sum l2
-// With update statistics: one more int column (changed), two more float (update l2, update max).
-constexpr int kIntFieldsUpdate = 9;
-constexpr int kFloatFieldsUpdate = 7;
+// Note [Packed row]
+// ~~~~~~~~~~~~~~~~~
+// The packed result of a pass is one int64 row and one float64 row per tensor. These enums are
+// the one definition of the columns: the kernels pack with them (pack_record), the host layer
+// unpacks with them (unpack_stats, the step pass), and the Python package takes the names from
+// the op library (torch.ops.trainsan.stats_fields), so no other copy of the layout exists.
+enum IntCol : int {
+  kColNumel,
+  kColNan,
+  kColPosinf,
+  kColNeginf,
+  kColZero,
+  kColSubnormal,
+  kColFp16Overflow,
+  kColHash,
+  kColChanged,  // update rows only: elements whose bits changed
+};
+enum FloatCol : int {
+  kColMin,
+  kColMax,
+  kColAbsmax,
+  kColSum,
+  kColL2,
+  kColUpdateL2,   // update rows only: ||x - x_prev||
+  kColUpdateMax,  // update rows only: max |x - x_prev|
+};
+constexpr const char* kIntColNames[] = {"numel",     "nan",           "posinf", "neginf", "zero",
+                                        "subnormal", "fp16_overflow", "hash",   "changed"};
+constexpr const char* kFloatColNames[] = {"min", "max",       "absmax",    "sum",
+                                          "l2",  "update_l2", "update_max"};
+
+// Number of int64 and float64 columns in the packed result, without and with the update columns.
+constexpr int kIntFields = kColHash + 1;
+constexpr int kFloatFields = kColL2 + 1;
+constexpr int kIntFieldsUpdate = kColChanged + 1;
+constexpr int kFloatFieldsUpdate = kColUpdateMax + 1;
 
 // CPU backend, torch-free part: statistics of one chunk of a tensor, into *out.
 // `scratch` must hold kChunkSize * dtype_size bytes; it is used to gather strided chunks.

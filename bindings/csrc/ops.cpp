@@ -35,6 +35,13 @@ std::tuple<at::Tensor, at::Tensor> tensor_stats_autograd(at::TensorList tensors)
 
 bool cuda_compiled_op() { return trainsan::cuda_compiled(); }
 
+// Column names of the packed rows (Note [Packed row]): int64 columns, float64 columns.
+std::tuple<std::vector<std::string>, std::vector<std::string>> stats_fields_op() {
+  const std::vector<std::string> names = trainsan::packed_field_names();
+  const auto ints = static_cast<std::ptrdiff_t>(trainsan::packed_int_fields());
+  return {{names.begin(), names.begin() + ints}, {names.begin() + ints, names.end()}};
+}
+
 // kinds.def as columns: name, severity, on by default, family, rule.
 std::tuple<std::vector<std::string>, std::vector<std::string>, c10::List<bool>,
            std::vector<std::string>, std::vector<std::string>>
@@ -123,6 +130,7 @@ struct SanitizerHandle : torch::CustomClassHolder {
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
+  m.def("stats_fields", &stats_fields_op);
   m.def("kinds", &kinds_op);
   m.def("options", &options_op);
 

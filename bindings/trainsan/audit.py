@@ -1,9 +1,9 @@
 """Python side of the op audits (``broadcast``, ``label_range``, ``batch_mismatch``).
 
-The audits themselves run in C++ (host/audit.cpp, Note [Op audit]): an ATen RecordFunction
-observer looks at the ops of a sampled step's forward and loss, for Python and LibTorch programs
-alike. An observer cannot stop an op (ATen swallows exceptions thrown by its callbacks), so its
-findings reach the policy at the sanitizer's next event.
+The audits themselves run in C++ (host/audit/, Note [Op audit] in host/audit/observer.cpp): an
+ATen RecordFunction observer looks at the ops of a sampled step's forward and loss, for Python
+and LibTorch programs alike. An observer cannot stop an op (ATen swallows exceptions thrown by
+its callbacks), so its findings reach the policy at the sanitizer's next event.
 
 With ``sync=True`` and policy ``"raise"`` this module adds one thing: while a step is audited, a
 :class:`LabelGuard` (a ``TorchFunctionMode``) checks the target of each class-index loss

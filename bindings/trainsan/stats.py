@@ -13,8 +13,9 @@ from . import _native
 
 _native.load()
 
-INT_FIELDS = ("numel", "nan", "posinf", "neginf", "zero", "subnormal", "fp16_overflow", "hash")
-FLOAT_FIELDS = ("min", "max", "absmax", "sum", "l2")
+#: Column names of the packed rows, from the op library (kernels/stats.h, Note [Packed row]).
+INT_FIELDS, FLOAT_FIELDS = (tuple(c) for c in torch.ops.trainsan.stats_fields())
+_OPTIONAL = ("min", "max", "absmax")  # None where no element is finite (NaN in the packed row)
 _SUPPORTED = (
     torch.float32,
     torch.float16,
@@ -115,28 +116,13 @@ def _check(tensors: object, fn: str) -> list[torch.Tensor]:
 
 
 def _unpack(ints: torch.Tensor, floats: torch.Tensor) -> list[TensorStats]:
-    rows_i = ints.tolist()
-    rows_f = floats.tolist()
     out = []
-    for ri, rf in zip(rows_i, rows_f):
-        mn, mx, amx, s, l2 = rf
-        out.append(
-            TensorStats(
-                numel=ri[0],
-                nan=ri[1],
-                posinf=ri[2],
-                neginf=ri[3],
-                zero=ri[4],
-                subnormal=ri[5],
-                fp16_overflow=ri[6],
-                min=None if math.isnan(mn) else mn,
-                max=None if math.isnan(mx) else mx,
-                absmax=None if math.isnan(amx) else amx,
-                sum=s,
-                l2=l2,
-                hash=ri[7] & 0xFFFFFFFFFFFFFFFF,
-            )
-        )
+    for ri, rf in zip(ints.tolist(), floats.tolist()):
+        row = dict(zip(INT_FIELDS, ri))
+        for k, v in zip(FLOAT_FIELDS, rf):
+            row[k] = None if k in _OPTIONAL and math.isnan(v) else v
+        row["hash"] &= 0xFFFFFFFFFFFFFFFF
+        out.append(TensorStats(**row))
     return out
 
 

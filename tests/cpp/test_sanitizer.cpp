@@ -1,9 +1,14 @@
 // A LibTorch training loop through the C++ API of the sanitizer.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
+#include <limits>
+#include <set>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "trainsan/trainsan.h"
 
@@ -140,4 +145,332 @@ TEST(Sanitizer, BadInputIsAClearError) {
   EXPECT_THROW(o.set("grad_explosion_factor", "big"), c10::ValueError);
   o.set("grad_explosion_factor", "20");
   EXPECT_EQ(o.grad_explosion_factor, 20.0);
+}
+
+// --- issue 7: opt-in and mode checks from LibTorch, the tables, the policy's one answer ---------
+
+namespace {
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+std::vector<trainsan::Finding> of_kind(const std::vector<trainsan::Finding>& fs,
+                                       const std::string& kind) {
+  std::vector<trainsan::Finding> out;
+  for (const auto& f : fs) {
+    if (f.kind == kind) out.push_back(f);
+  }
+  return out;
+}
+
+// The parameters of `net`, all in optimizer 0 (the three-argument constructor's form).
+std::vector<trainsan::Parameter> params_of(Net& net) {
+  std::vector<trainsan::Parameter> ps;
+  for (const auto& item : net.named_parameters()) ps.push_back({item.key(), item.value(), 0});
+  return ps;
+}
+
+// `steps` clean steps; `during_forward` runs after begin_step and the forward, before the loss.
+template <typename F>
+void train_with(Net& net, torch::optim::Optimizer& opt, trainsan::Sanitizer& san, int steps,
+                F during_forward) {
+  for (int i = 0; i < steps; ++i) {
+    const Batch b = batch(i);
+    opt.zero_grad();
+    san.begin_step({b.x, b.y});
+    auto out = net.forward(b.x);
+    during_forward();
+    auto loss = torch::nn::functional::cross_entropy(out, b.y);
+    san.watch_loss(loss);
+    loss.backward();
+    opt.step();
+    san.end_step();
+  }
+}
+
+std::string error_text(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::ValueError& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no c10::ValueError>";
+}
+
+}  // namespace
+
+TEST(Sanitizer, NonfiniteActivationFromLibTorchIsCountedAndTraced) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+  const std::string path = ::testing::TempDir() + "trainsan_cpp_activation.jsonl";
+  trainsan::Options o = record();
+  o.trace = path;
+  o.checks["nonfinite_activation"] = true;
+  trainsan::Sanitizer san(net.named_parameters(), o);
+  torch::Tensor bad = torch::zeros({2, 3});
+  bad[0][1] = std::numeric_limits<float>::quiet_NaN();
+  train_with(net, opt, san, 3, [&] { san.module_output({"fc1", "Linear"}, {bad}); });
+  san.close();
+
+  const auto act = of_kind(san.findings(), "nonfinite_activation");
+  ASSERT_EQ(act.size(), 1u);
+  EXPECT_EQ(act[0].count, 3);
+  EXPECT_EQ(act[0].step, 0);
+  EXPECT_EQ(act[0].last_step, 2);
+  EXPECT_EQ(act[0].tensor, "fc1");
+  EXPECT_EQ(act[0].severity, "error");
+  ASSERT_TRUE(act[0].value.has_value());
+  EXPECT_EQ(*act[0].value, 1.0);
+  EXPECT_EQ(act[0].message.rfind("nonfinite_activation at step 0: the output of fc1 (Linear) "
+                                 "holds 1 NaN and 0 ±Inf values",
+                                 0),
+            0u)
+      << act[0].message;
+  EXPECT_EQ(san.findings().size(), 1u);  // nothing else is wrong with this loop
+
+  const auto lines = read_lines(path);
+  ASSERT_GE(lines.size(), 2u);
+  int traced = 0;
+  for (const auto& l : lines) {
+    if (contains(l, "\"type\":\"finding\"") && contains(l, "\"kind\":\"nonfinite_activation\"")) {
+      ++traced;
+      EXPECT_TRUE(contains(l, "\"tensor\":\"fc1\"")) << l;
+    }
+  }
+  EXPECT_EQ(traced, 1);
+  const std::string& summary = lines.back();
+  ASSERT_TRUE(contains(summary, "\"type\":\"summary\"")) << summary;
+  const size_t at = summary.find("\"findings\":{");
+  ASSERT_NE(at, std::string::npos) << summary;
+  const std::string counts = summary.substr(at, summary.find('}', at) - at);
+  EXPECT_TRUE(contains(counts, "\"nonfinite_activation\":3")) << summary;
+}
+
+TEST(Sanitizer, NonfiniteActivationIsOptIn) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+  trainsan::Sanitizer san(net.named_parameters(), record());
+  const torch::Tensor bad = torch::full({4}, std::numeric_limits<float>::infinity());
+  train_with(net, opt, san, 2, [&] { san.module_output({"fc1", "Linear"}, {bad}); });
+  san.close();
+  EXPECT_TRUE(san.findings().empty());
+}
+
+TEST(Sanitizer, EvalModeFromLibTorch) {
+  for (const bool in_eval : {true, false}) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+    trainsan::Setup setup;
+    setup.mode_modules = {{"drop", "Dropout"}};
+    trainsan::Sanitizer san(params_of(net), record(), setup);
+    for (int i = 0; i < 2; ++i) {
+      const Batch b = batch(i);
+      opt.zero_grad();
+      san.begin_step({b.x, b.y}, {in_eval});
+      auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
+      san.watch_loss(loss);
+      loss.backward();
+      opt.step();
+      san.end_step();
+    }
+    san.close();
+    const auto em = of_kind(san.findings(), "eval_mode");
+    if (!in_eval) {
+      EXPECT_TRUE(san.findings().empty());
+      continue;
+    }
+    ASSERT_EQ(em.size(), 1u);
+    EXPECT_EQ(em[0].tensor, "drop");
+    EXPECT_EQ(em[0].severity, "warning");
+    EXPECT_EQ(em[0].step, 0);
+    EXPECT_EQ(em[0].count, 2);
+    EXPECT_TRUE(contains(em[0].message, "'drop' (Dropout)")) << em[0].message;
+    EXPECT_EQ(san.findings().size(), 1u);
+  }
+}
+
+TEST(Sanitizer, Fp16OverflowFromLibTorchUnderCpuAutocast) {
+  for (const bool autocast : {true, false}) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+    std::vector<trainsan::Parameter> ps = params_of(net);
+    // Not trainable and not in the forward: it stays at 70000 (> 65504, fp16's largest).
+    ps.push_back({"scale", torch::full({4}, 70000.0f), 0});
+    trainsan::Sanitizer san(std::move(ps), record(), trainsan::Setup{});
+    const bool was_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    const at::ScalarType was_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    for (int i = 0; i < 2; ++i) {
+      const Batch b = batch(i);
+      opt.zero_grad();
+      torch::Tensor loss;
+      at::autocast::set_autocast_enabled(at::kCPU, autocast);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kHalf);
+      try {
+        san.begin_step({b.x, b.y});
+        loss = torch::nn::functional::cross_entropy(net.forward(b.x).to(at::kFloat), b.y);
+      } catch (...) {
+        at::autocast::set_autocast_enabled(at::kCPU, was_enabled);
+        at::autocast::set_autocast_dtype(at::kCPU, was_dtype);
+        throw;
+      }
+      at::autocast::set_autocast_enabled(at::kCPU, was_enabled);
+      at::autocast::set_autocast_dtype(at::kCPU, was_dtype);
+      at::autocast::clear_cache();
+      san.watch_loss(loss);
+      loss.backward();
+      opt.step();
+      san.end_step();
+    }
+    san.close();
+    const auto ov = of_kind(san.findings(), "fp16_overflow");
+    if (!autocast) {
+      EXPECT_TRUE(ov.empty()) << ov.front().message;
+      continue;
+    }
+    ASSERT_EQ(ov.size(), 1u);
+    EXPECT_EQ(ov[0].tensor, "scale");
+    EXPECT_EQ(ov[0].severity, "warning");
+    EXPECT_EQ(ov[0].step, 0);
+    ASSERT_TRUE(ov[0].value.has_value());
+    EXPECT_EQ(*ov[0].value, 4.0);
+    EXPECT_TRUE(contains(ov[0].message, "scale holds 4 values beyond ±65504")) << ov[0].message;
+  }
+}
+
+TEST(Sanitizer, UnknownOrUnimplementedCheckIsAnError) {
+  torch::manual_seed(0);
+  Net net;
+  for (const std::string kind : {"rank_desync", "stale_gard"}) {
+    trainsan::Options o;
+    o.checks[kind] = kind == "rank_desync";  // switched off or on: an unknown name is an error
+    EXPECT_THROW(trainsan::Sanitizer(net.named_parameters(), o), c10::ValueError) << kind;
+    const std::string msg = error_text([&] { trainsan::Sanitizer s(net.named_parameters(), o); });
+    EXPECT_TRUE(contains(msg, "'" + kind + "'")) << msg;
+  }
+}
+
+TEST(Sanitizer, OptionsParseClampAndSerialise) {
+  trainsan::Options o;
+  EXPECT_THROW(o.set("check.x", "maybe"), c10::ValueError);
+  EXPECT_THROW(o.set("check.stale_grad", "maybe"), c10::ValueError);
+  o.set("check.stale_grad", "false");
+  EXPECT_FALSE(o.enabled("stale_grad"));
+  EXPECT_TRUE(o.enabled("grad_explosion"));
+  EXPECT_FALSE(o.enabled("nonfinite_activation"));
+  o.set("trace_every", "0");
+  EXPECT_EQ(o.trace_every, 1);  // raised to its minimum (options.def)
+  o.set("trace_every", "7");
+  EXPECT_EQ(o.trace_every, 7);
+  EXPECT_THROW(o.set("trace_every", "-1"), c10::ValueError);
+  EXPECT_THROW(o.set("trace_every", "1.5"), c10::ValueError);
+  const std::string msg = error_text([&] { o.set("policy", "loud"); });
+  EXPECT_TRUE(contains(msg, "policy")) << msg;
+  EXPECT_TRUE(contains(msg, "loud")) << msg;
+  EXPECT_EQ(o.policy, "raise");  // unchanged by the rejected value
+  o.set("sync", "true");
+  EXPECT_TRUE(o.sync);
+
+  const std::string json = o.to_json();
+  ASSERT_FALSE(trainsan::option_table().empty());
+  for (const trainsan::OptionInfo& info : trainsan::option_table()) {
+    EXPECT_TRUE(contains(json, std::string("\"") + info.name + "\":")) << info.name;
+  }
+  EXPECT_TRUE(contains(json, "\"trace_every\":7")) << json;
+  EXPECT_TRUE(contains(json, "\"sync\":true")) << json;
+  EXPECT_TRUE(contains(json, "\"grad_explosion_factor\":50")) << json;
+  const size_t at = json.find("\"checks\":{");
+  ASSERT_NE(at, std::string::npos) << json;
+  const std::string checks = json.substr(at);
+  for (const trainsan::KindInfo& k : trainsan::kinds()) {
+    EXPECT_TRUE(contains(checks, std::string("\"") + k.name + "\":")) << k.name;
+  }
+  EXPECT_TRUE(contains(checks, "\"stale_grad\":false")) << checks;
+  EXPECT_TRUE(contains(checks, "\"nonfinite_activation\":false")) << checks;
+  EXPECT_TRUE(contains(checks, "\"grad_explosion\":true")) << checks;
+}
+
+TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
+  using trainsan::Action;
+  const std::map<std::string, std::set<std::tuple<std::string, std::string, Action>>> expected = {
+      {"raise",
+       {{"stale_grad", "error", Action::kRaise}, {"duplicate_batch", "warning", Action::kWarn}}},
+      {"warn",
+       {{"stale_grad", "error", Action::kWarn}, {"duplicate_batch", "warning", Action::kWarn}}},
+      {"record",
+       {{"stale_grad", "error", Action::kNone}, {"duplicate_batch", "warning", Action::kNone}}},
+  };
+  for (const auto& [policy, want] : expected) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+    trainsan::Options o;
+    o.policy = policy;
+    std::vector<std::tuple<std::string, std::string, Action>> got;
+    trainsan::Setup setup;
+    setup.report = [&](const trainsan::Finding& f, Action a) {
+      got.emplace_back(f.kind, f.severity, a);
+    };
+    trainsan::Sanitizer san(params_of(net), o, setup);
+    const Batch b = batch(0);
+    // The same batch every step (duplicate_batch) and no zero_grad (stale_grad): nothing
+    // throws, even under "raise", because the callback takes the answers.
+    EXPECT_NO_THROW({
+      for (int i = 0; i < 4; ++i) {
+        san.begin_step({b.x, b.y});
+        auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
+        san.watch_loss(loss);
+        loss.backward();
+        opt.step();
+        san.end_step();
+      }
+      san.close();
+    }) << policy;
+    const std::set<std::tuple<std::string, std::string, Action>> distinct(got.begin(), got.end());
+    EXPECT_EQ(distinct, want) << policy;
+    // Reported once per finding (stale_grad: once per parameter), repeats only counted.
+    EXPECT_EQ(got.size(), san.findings().size()) << policy;
+    EXPECT_EQ(of_kind(san.findings(), "stale_grad").size(), 4u) << policy;
+  }
+}
+
+TEST(Kinds, TableIsConsistent) {
+  const auto& ks = trainsan::kinds();
+  ASSERT_EQ(ks.size(), 19u);  // the implemented kinds of DESIGN.md
+  std::set<std::string> names;
+  for (size_t i = 0; i < ks.size(); ++i) {
+    const trainsan::KindInfo& k = ks[i];
+    EXPECT_TRUE(names.insert(k.name).second) << "duplicate " << k.name;
+    EXPECT_EQ(static_cast<size_t>(k.kind), i) << k.name;
+    const auto back = trainsan::kind_from_name(k.name);
+    ASSERT_TRUE(back.has_value()) << k.name;
+    EXPECT_EQ(*back, k.kind);
+    EXPECT_STREQ(trainsan::name_of(k.kind), k.name);
+    EXPECT_NE(std::string(k.family), "");
+    EXPECT_NE(std::string(k.rule), "");
+  }
+  EXPECT_EQ(trainsan::severity_of(trainsan::Kind::grad_explosion), trainsan::Severity::kWarning);
+  EXPECT_EQ(trainsan::severity_of(trainsan::Kind::stale_grad), trainsan::Severity::kError);
+  EXPECT_STREQ(trainsan::severity_name(trainsan::Severity::kWarning), "warning");
+  EXPECT_FALSE(trainsan::info(trainsan::Kind::nonfinite_activation).default_on);
+  EXPECT_FALSE(trainsan::info(trainsan::Kind::update_outside_step).default_on);
+  EXPECT_TRUE(trainsan::info(trainsan::Kind::eval_mode).default_on);
+  int off = 0;
+  for (const auto& k : ks) off += k.default_on ? 0 : 1;
+  EXPECT_EQ(off, 2);
+  for (const char* missing : {"rank_desync", "nondeterminism", "amp_scale_collapse",
+                              "bad_checkpoint", "stale_gard", ""}) {
+    EXPECT_FALSE(trainsan::kind_from_name(missing).has_value()) << missing;
+  }
 }

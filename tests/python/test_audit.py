@@ -1,4 +1,4 @@
-"""The op audits from Python: broadcast, label_range, batch_mismatch (host/audit.cpp).
+"""The op audits from Python: broadcast, label_range, batch_mismatch (host/audit/).
 
 * the zoo's audit cases (zoo_audit.py): each bug found with its kind at its onset step, with a
   message naming the op, the shapes and the user's source line; the clean loops silent;

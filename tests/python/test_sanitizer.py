@@ -307,3 +307,89 @@ def test_cli_report_and_diff(tmp_path):
     bad.write_text('{"type": "header"}\nnot json\n')
     r = run("report", bad)
     assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
+
+
+# --- nonfinite_activation (issue 7: now a C++ check, deduplicated, counted and traced) ----------
+
+
+def _nan_weight_model():
+    """Linear -> ReLU -> Linear whose first weight holds one NaN: every module output is NaN."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_nonfinite_activation_repeats_are_counted_and_traced(tmp_path):
+    path = tmp_path / "act.jsonl"
+    model, opt = _nan_weight_model()
+    with trainsan.attach(model, opt, policy="record", trace=path,
+                         checks={"nonfinite_activation": True}) as san:
+        _train(model, opt, 3)
+    act = [f for f in san.findings if f.kind == "nonfinite_activation"]
+    tensors = [f.tensor for f in act]
+    # One finding per module whose output goes non-finite (each leaf here), never a duplicate.
+    assert sorted(tensors) == ["0", "1", "2"]
+    first = next(f for f in act if f.tensor == "0")
+    assert first.count == 3 and first.step == 0 and first.last_step == 2
+    assert first.severity == "error"
+    assert first.message.startswith(
+        "nonfinite_activation at step 0: the output of 0 (Linear) holds 16 NaN and 0 ±Inf values"
+    )
+    assert all(f.count == 3 for f in act)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    traced = [r for r in lines if r["type"] == "finding" and r["kind"] == "nonfinite_activation"]
+    assert sorted(r["tensor"] for r in traced) == ["0", "1", "2"]
+    assert lines[-1]["type"] == "summary"
+    assert lines[-1]["findings"]["nonfinite_activation"] == 9
+    unique = [u for u in lines[-1]["unique_findings"] if u["kind"] == "nonfinite_activation"]
+    assert {u["tensor"]: u["count"] for u in unique} == {"0": 3, "1": 3, "2": 3}
+    assert all(u["first_step"] == 0 and u["last_step"] == 2 for u in unique)
+
+
+def test_nonfinite_activation_is_off_by_default():
+    model, opt = _nan_weight_model()
+    with trainsan.attach(model, opt, policy="record") as san:
+        _train(model, opt, 2)
+    assert "nonfinite_activation" not in {f.kind for f in san.findings}
+    assert "nonfinite_grad" in {f.kind for f in san.findings}  # the NaN is there
+
+
+def test_nonfinite_activation_raises_from_the_forward():
+    model, opt = _nan_weight_model()
+    x, _ = _batch(0)
+    with trainsan.attach(model, opt, checks={"nonfinite_activation": True}):
+        with pytest.raises(trainsan.TrainingBugError) as info:
+            model(x)
+    f = info.value.finding
+    assert f.kind == "nonfinite_activation" and f.tensor == "0" and f.step == 0
+    # Raised inside the module call (the forward hook), before the loss exists.
+    assert "_call_impl" in {fr.name for fr in info.traceback}
+
+
+def test_nonfinite_activation_message_is_unchanged():
+    """The message the Python check produced before it moved into C++ (step, module, counts)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainsan.attach(model, opt, policy="record",
+                         checks={"nonfinite_activation": True}) as san:
+        for step in range(3):
+            if step == 2:  # two clean steps, then NaN and +Inf weights: 4 NaN and 4 Inf outputs
+                with torch.no_grad():
+                    model[0].weight.copy_(torch.tensor(
+                        [[float("nan"), 0.0], [float("inf"), 0.0], [1.0, 1.0]]))
+                    model[0].bias.zero_()
+            opt.zero_grad()
+            model(torch.ones(4, 2)).sum().backward()
+            opt.step()
+    act = [f for f in san.findings if f.kind == "nonfinite_activation"]
+    assert act, san.summary()
+    f = act[0]
+    step, name, typ, nan, inf = 2, "0", "Linear", 4, 4
+    assert f.message == (
+        f"nonfinite_activation at step {step}: the output of {name} ({typ}) holds {nan} NaN and "
+        f"{inf} ±Inf values — the first module whose output is non-finite is where to look"
+    )
+    assert f.tensor == "0" and f.step == 2 and f.value == 8.0

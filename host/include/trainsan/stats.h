@@ -36,6 +36,10 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors);
 
 /// Convert packed results (any device; copied to the host if needed) to TensorStats.
 std::vector<TensorStats> unpack_stats(const PackedStats& packed);
+/// The column names of a packed result (without the update columns): the int64 columns, then
+/// the float64 ones; packed_int_fields() of them are int64.
+std::vector<std::string> packed_field_names();
+size_t packed_int_fields();
 /// The inverse of unpack_stats, on the CPU (NaN where min/max/absmax are empty).
 PackedStats pack_stats(const std::vector<TensorStats>& stats);
 /// Uninitialised results of the right shapes on the tensors' device (the meta/fake kernel).
