@@ -60,8 +60,16 @@ void check_choice(const char* name, const std::string& value, const char* choice
   TORCH_CHECK_VALUE(false, "trainsan: ", name, " must be ", choices_text(c), ", got '", value, "'");
 }
 
+// Shortest text that reads back as the same double ("50", "1e-12").
 std::string real_text(double v) {
+  for (int precision = 6; precision < 17; ++precision) {
+    std::ostringstream os;
+    os.precision(precision);
+    os << v;
+    if (std::stod(os.str()) == v) return os.str();
+  }
   std::ostringstream os;
+  os.precision(17);
   os << v;
   return os.str();
 }

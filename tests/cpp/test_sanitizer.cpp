@@ -4,7 +4,9 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <tuple>

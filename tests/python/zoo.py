@@ -412,6 +412,44 @@ def _np_rmsprop_eps0(ctx):
         opt.step()
 
 
+# --- nonfinite_activation (opt-in: the case switches it on) -------------------------------------
+
+
+class LogCountMLP(nn.Module):
+    """Count features -> log -> MLP: the log is a module of its own, so its output is hooked."""
+
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x)
+
+    def __init__(self):
+        super().__init__()
+        self.log = self.Log()
+        self.mlp = make_mlp()
+
+    def forward(self, x):
+        return self.mlp(self.log(x))
+
+
+@case("nonfinite_activation/log_of_missing_sentinel_mlp", "nonfinite_activation", 4, "mlp",
+      "Adam", "log-scaled count features; from step 4 the loader marks a missing count with the "
+      "sentinel -1, log(-1) = NaN in the output of the log module (checks={"
+      "'nonfinite_activation': True})")
+def _na_log_sentinel(ctx):
+    model = LogCountMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt, checks={"nonfinite_activation": True})
+    for step in range(STEPS):
+        x = torch.rand(16, 8) * 10 + 1  # counts >= 1
+        y = torch.log(x[:, :1]) * 0.5
+        if step >= 4:
+            x[2, 5] = -1.0  # bug: "missing" sentinel fed to the log
+        opt.zero_grad()
+        loss = san.watch_loss(F.mse_loss(model(x), y))
+        loss.backward()
+        opt.step()
+
+
 # --- grad_explosion ---------------------------------------------------------------------------
 
 
