@@ -8,5 +8,5 @@ endif()
 # Warnings for TrainSan's own C++ sources (not applied to third-party code).
 function(trainsan_warnings target)
   target_compile_options(${target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
 endfunction()
