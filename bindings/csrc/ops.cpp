@@ -141,7 +141,8 @@ TORCH_LIBRARY(trainsan, m) {
                        std::vector<std::string>, std::vector<std::string>, bool>())
       .def("forward",
            [](const H& h, bool training, std::vector<at::Tensor> inputs,
-              c10::List<bool> module_eval) {
+              c10::List<bool> module_eval, double extra_s) {
+             h->san->add_overhead(extra_s);
              h->san->forward({training, std::move(inputs), module_eval.vec()});
              return h->take();
            })

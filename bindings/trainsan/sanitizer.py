@@ -341,8 +341,7 @@ class Sanitizer:
         training = module.training
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
-        self._handle.add_overhead(self._take_overhead())
-        found = self._handle.forward(training, inputs, module_eval)
+        found = self._handle.forward(training, inputs, module_eval, self._take_overhead())
         if self._label_guard is not None:
             if torch.is_grad_enabled() and training and self._handle.auditing():
                 self._label_guard.push()
