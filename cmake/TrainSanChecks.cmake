@@ -10,7 +10,10 @@ add_library(trainsan_checks STATIC
   "${PROJECT_SOURCE_DIR}/host/checks/step_integrity.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/mode.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/inputs.cpp"
-  "${PROJECT_SOURCE_DIR}/host/audit/shape_rules.cpp")
+  "${PROJECT_SOURCE_DIR}/host/checks/autograd.cpp"
+  "${PROJECT_SOURCE_DIR}/host/checks/loss.cpp"
+  "${PROJECT_SOURCE_DIR}/host/audit/shape_rules.cpp"
+  "${PROJECT_SOURCE_DIR}/host/overhead_budget.cpp")
 target_include_directories(trainsan_checks PUBLIC
   "${PROJECT_SOURCE_DIR}/host" "${PROJECT_SOURCE_DIR}/host/include")
 target_compile_features(trainsan_checks PUBLIC cxx_std_17)

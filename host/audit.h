@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainsan {
@@ -65,6 +66,8 @@ class OpAudit {
   void flush();
   /// Seconds spent in op callbacks since the last call.
   double take_overhead();
+  /// Coverage: training forwards audited, and ops the audit rules looked at.
+  std::pair<int64_t, int64_t> coverage() const;
   /// Step end: stop, flush, and ship this step's device-side label checks into the read-back
   /// queue (Phase::kLabels), whose drain reports them.
   void step_end();

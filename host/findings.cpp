@@ -4,7 +4,8 @@
 namespace trainsan::host {
 
 const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std::string& message,
-                                 std::optional<double> value, int64_t step) {
+                                 std::optional<double> value, int64_t step,
+                                 std::optional<Severity> severity) {
   const std::lock_guard<std::mutex> lock(mu_);
   if (enabled_.empty()) {
     for (const KindInfo& k : kinds()) enabled_.push_back(opts_.enabled(k.name));
@@ -23,7 +24,7 @@ const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std
   f.kind = k.name;
   f.step = step;
   f.last_step = step;
-  f.severity = severity_name(k.severity);
+  f.severity = severity_name(severity.value_or(k.severity));
   f.tensor = tensor;
   f.message = f.kind + " at step " + std::to_string(step) + ": " + message;
   f.value = value;
@@ -37,6 +38,16 @@ const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std
 std::vector<Finding> FindingStore::all() const {
   const std::lock_guard<std::mutex> lock(mu_);
   return findings_;
+}
+
+void FindingStore::said(Kind kind, const std::string& tensor) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  said_.insert(std::string(info(kind).name) + '\x1f' + tensor);
+}
+
+bool FindingStore::was_said(const Finding& f) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return said_.count(f.kind + '\x1f' + f.tensor) > 0;
 }
 
 std::vector<Finding> FindingStore::take_fresh() {

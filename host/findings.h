@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -18,11 +19,15 @@ class FindingStore final : public FindingSink {
  public:
   FindingStore(const Options& opts, TraceWriter& trace) : opts_(opts), trace_(trace) {}
   const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
-                     std::optional<double> value, int64_t step) override;
+                     std::optional<double> value, int64_t step,
+                     std::optional<Severity> severity = std::nullopt) override;
   /// Every distinct finding so far, with counts (a copy: callbacks may add concurrently).
   std::vector<Finding> all() const;
   /// The findings that are new since the last call, for the policy.
   std::vector<Finding> take_fresh();
+  void said(Kind kind, const std::string& tensor) override;
+  /// Whether `f` was printed when it was found (said): close() does not report it again.
+  bool was_said(const Finding& f) const;
 
  private:
   const Options& opts_;
@@ -32,6 +37,7 @@ class FindingStore final : public FindingSink {
   std::vector<Finding> findings_;
   std::map<std::string, size_t> index_;  // kind + "\x1f" + tensor -> position in findings_
   std::vector<Finding> fresh_;
+  std::set<std::string> said_;  // keys (as index_) of the findings printed when found
 };
 
 }  // namespace trainsan::host

@@ -1,9 +1,13 @@
 // Gradient bookkeeping (Note [Grad identity] in grad_tracker.h).
 #include "grad_tracker.h"
 
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
 
 namespace trainsan::host {
 
@@ -93,6 +97,7 @@ int64_t GradTracker::training_forward(std::vector<std::string>* skipped) {
 void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
                           std::vector<Consumed>* out) {
   const std::lock_guard<std::mutex> lock(mu_);
+  if (!manual && probe_steps_ > 0) probe_steps_ -= 1;
   in_step_ = false;
   backwards_since_step_ = 0;
   grad_since_forward_ = false;
@@ -106,6 +111,10 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
                 : (s.last.get() == g.unsafeGetTensorImpl() && g._version() == s.last_version)
                     ? GradAtStep::kAsBackwardLeft
                     : GradAtStep::kModified;
+    if (s.probe.defined()) {
+      c.left_nonzero = s.probe.item<bool>();  // a device sync on GPU, only while probing
+      s.probe = at::Tensor();
+    }
     out->push_back(c);
     const bool orphan = params_[i].opt < 0;
     if (!manual && !orphan) {
@@ -150,6 +159,11 @@ void GradTracker::amp_skip(int64_t opt) {
   in_step_ = false;
 }
 
+void GradTracker::arm_probe(int64_t steps) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  probe_steps_ = std::max(probe_steps_, steps);
+}
+
 void GradTracker::on_grad_accumulated(size_t i) {
   if (on_backward_) on_backward_();  // backward has started: the op audit covers forward only
   const at::Tensor& g = params_[i].param.grad();
@@ -187,6 +201,14 @@ void GradTracker::on_grad_accumulated(size_t i) {
   grad_since_forward_ = true;
   s.last = WeakImpl(g);
   s.last_version = ver;
+  if (probe_steps_ > 0) {  // Note [Zero gradients]
+    if (g.layout() == at::kStrided) {
+      const at::NoGradGuard no_grad;
+      s.probe = g.ne(0).any();
+    } else {
+      s.probe = at::Tensor();
+    }
+  }
 }
 
 }  // namespace trainsan::host

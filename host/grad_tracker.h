@@ -59,18 +59,21 @@ struct GradState {
   WeakImpl consumed;  // the .grad as consumed by the last step
   uint32_t consumed_version = 0;
   int64_t unused_clears = 0;  // clears without a step of its optimizer since the last step
+  at::Tensor probe;           // while probing: .grad as the last backward left it had a nonzero
 };
 
 struct TrackedParam {
   std::string name;
   at::Tensor param;
-  int64_t opt = -1;  // index of the optimizer holding it, -1 when in none
+  int64_t opt = -1;   // index of the optimizer holding it, -1 when in none
+  int64_t group = 0;  // its param group in that optimizer
 };
 
 /// What a step consumes of one parameter's gradient (GradTracker::consume).
 struct Consumed {
   GradObservation observed;
   GradAtStep at_step = GradAtStep::kAsBackwardLeft;
+  std::optional<bool> left_nonzero;  // probed (Note [Zero gradients]): nonzero as backward left it
 };
 
 class GradTracker {
@@ -102,6 +105,9 @@ class GradTracker {
   bool any_produced() const;
   /// The GradScaler skipped the step of optimizer `opt` on purpose (Inf/NaN found).
   void amp_skip(int64_t opt);
+  /// Note [Zero gradients]: for the next `steps` steps, record at each accumulation whether the
+  /// gradient holds a nonzero element (one reduction per parameter per backward; read at the step).
+  void arm_probe(int64_t steps);
 
   void on_grad_accumulated(size_t index);  // the hook body (engine threads)
 
@@ -114,6 +120,7 @@ class GradTracker {
   bool in_step_ = false;
   bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
   int64_t backwards_since_step_ = 0;
+  int64_t probe_steps_ = 0;  // Note [Zero gradients]: steps left to probe
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::shared_ptr<GradTracker*> self_token_;  // hooks hold it weakly

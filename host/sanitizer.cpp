@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "nvtx.h"
 #include "sanitizer_impl.h"
@@ -42,7 +43,7 @@ std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps) {
   for (auto& p : ps) {
     TORCH_CHECK_TYPE(p.tensor.defined(), "trainsan::Sanitizer: parameter '", p.name,
                      "' is undefined");
-    out.push_back({std::move(p.name), std::move(p.tensor), p.optimizer});
+    out.push_back({std::move(p.name), std::move(p.tensor), p.optimizer, p.group});
   }
   TORCH_CHECK_VALUE(!out.empty(),
                     "trainsan::Sanitizer: no parameters given; pass "
@@ -90,34 +91,61 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   cfg.every = opts.audit_every;
   cfg.skip_frames = setup.skip_frames;
   audit = std::make_unique<OpAudit>(store, readback, std::move(cfg));
+  std::vector<ModeModule> modes;
+  for (const ModuleInfo& m : setup.mode_modules) {
+    ModeModule mm;
+    mm.ref = {m.name.empty() ? "<model>" : m.name, m.type};
+    for (const int64_t i : m.params) {
+      TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < params.size(),
+                        "trainsan::Setup: mode module '", m.name, "' names parameter ", i, " of ",
+                        params.size());
+      mm.params.push_back(static_cast<size_t>(i));
+    }
+    mm.mode_dependent = m.mode_dependent;
+    modes.push_back(std::move(mm));
+  }
+  checks.mode.set_modules(std::move(modes));
   grads.install();
 }
 
 void SanitizerImpl::forward(const ForwardFacts& facts) {
   const auto t0 = Clock::now();
   TRAINSAN_NVTX_RANGE("trainsan/forward");
-  // A forward inside an optimizer step is the step's closure (LBFGS): part of the step.
-  if (closed || grads.in_step()) return;
-  audit->flush();  // a held-back broadcast_tensors no loss consumed: before this event's findings
+  if (closed) return;
   const bool grad_enabled = at::GradMode::is_enabled();
   const bool training = facts.training;
+  if (grad_enabled) {
+    // The modes of the last grad-enabled forward before a step (eval_mode), a closure's included.
+    current_model_eval = !training;
+    current_eval_modules.clear();
+    const size_t n = std::min(facts.module_eval.size(), setup.mode_modules.size());
+    for (size_t k = 0; k < n; ++k) {
+      if (facts.module_eval[k]) current_eval_modules.push_back(k);
+    }
+  }
+  // A forward inside an optimizer step is the step's closure (LBFGS): part of the step.
+  if (grads.in_step()) return;
+  audit->flush();  // a held-back broadcast_tensors no loss consumed: before this event's findings
+  // Note [Mode rules]: forwards since each optimizer's previous step (StepView).
+  if (grad_enabled) {
+    grad_forwards_total += 1;
+  } else if (training) {
+    no_grad_train_forwards_total += 1;
+  }
+  (grad_enabled && training ? coverage.training_forwards : coverage.other_forwards) += 1;
   if (setup.manual && grad_enabled && training) manual_boundary();
   ForwardView fv;
   fv.step = step;
   fv.grad_enabled = grad_enabled;
   fv.training = training;
   fv.have_optimizer = have_optimizer;
-  checks.mode.on_forward(fv);
-  if (grad_enabled) {
-    current_eval_modules.clear();
-    const size_t n = std::min(facts.module_eval.size(), setup.mode_modules.size());
-    for (size_t k = 0; k < n; ++k) {
-      if (facts.module_eval[k]) {
-        const ModuleInfo& m = setup.mode_modules[k];
-        current_eval_modules.push_back({m.name.empty() ? "<model>" : m.name, m.type});
-      }
+  if (!grad_enabled && training) {
+    for (size_t k = 0; k < setup.mode_modules.size(); ++k) {
+      const bool eval = k < facts.module_eval.size() && facts.module_eval[k];
+      if (setup.mode_modules[k].mode_dependent && !eval) fv.train_mode_dependent.push_back(k);
     }
   }
+  checks.mode.on_forward(fv);
   if (grad_enabled && training) {
     fv.backwards_since_step = grads.training_forward(&fv.skipped);
     checks.integrity.on_forward(fv);
@@ -137,12 +165,14 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
       try {
         check_tensors(ok, "trainsan inputs");
         const int64_t at_step = step;
+        const int64_t restarts = facts.data_restarts;
         readback.push(start_host_copy(tensor_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
-                      [this, at_step](const PackedStats& host) {
+                      [this, at_step, restarts](const PackedStats& host) {
                         uint64_t h = 0x84222325cbf29ce4ull;
                         for (const auto& s : unpack_stats(host))
                           h = (h ^ s.hash) * 0x100000001b3ull;
-                        checks.inputs.on_inputs(h, at_step);
+                        checks.inputs.on_inputs(h, at_step, restarts);
+                        coverage.inputs_fingerprinted += 1;
                       });
       } catch (const c10::Error&) {
         // unsupported input dtypes: no duplicate-batch check
@@ -162,10 +192,15 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   audit->flush();
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   check_tensors({loss}, "watch_loss");
-  const int64_t at_step = step;
+  LossView v;
+  v.step = step;
+  v.in_step = grads.in_step();  // a closure's evaluation (LBFGS): nonfinite_loss only
   readback.push_or_consume(start_host_copy(tensor_stats_packed({loss.detach()})),
-                           ReadbackQueue::Phase::kLoss, [this, at_step](const PackedStats& host) {
-                             checks.nonfinite.on_loss(unpack_stats(host)[0], at_step);
+                           ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
+                             v.stats = unpack_stats(host)[0];
+                             checks.nonfinite.on_loss(v.stats, v.step);  // first
+                             checks.loss.on_loss(v);
+                             coverage.losses_checked += 1;
                            });
   add_overhead(seconds_since(t0));
 }
@@ -230,6 +265,59 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
   add_overhead(seconds_since(t0));
 }
 
+Coverage SanitizerImpl::coverage_now() const {
+  Coverage c = coverage;
+  std::tie(c.audited_forwards, c.ops_audited) = audit->coverage();
+  auto unchecked = [&](const char* kind, const std::string& why) {
+    if (opts.enabled(kind)) c.unchecked.emplace_back(kind, why);
+  };
+  const std::string no_forward =
+      "no training forward was seen: the model's forward hook never fired (submodules called "
+      "through .forward(x) instead of module(x), or the attached model is not the one trained; "
+      "LibTorch: call begin_step())";
+  const std::string no_step =
+      "no optimizer step was seen (the optimizer passed to attach() never stepped; LibTorch: call "
+      "end_step())";
+  if (c.training_forwards == 0) {
+    for (const char* k : {"eval_mode", "duplicate_batch", "broadcast", "label_range",
+                          "batch_mismatch", "skipped_step"}) {
+      unchecked(k, no_forward);
+    }
+  } else {
+    if (c.inputs_fingerprinted == 0) {
+      unchecked("duplicate_batch",
+                "no training input could be fingerprinted (no tensor arguments, or sparse, nested "
+                "or meta inputs, or inputs on another device than the first)");
+    }
+    if (c.audited_forwards == 0) {
+      for (const char* k : {"broadcast", "label_range", "batch_mismatch"}) {
+        unchecked(k, "no training forward was audited (audit_first_steps/audit_every)");
+      }
+    } else if (c.ops_audited == 0) {
+      for (const char* k : {"broadcast", "label_range", "batch_mismatch"}) {
+        unchecked(k,
+                  "the audited forwards ran none of the ops these rules read (loss, "
+                  "class-index and broadcasting elementwise ops)");
+      }
+    }
+  }
+  if (c.losses_checked == 0) {
+    unchecked("nonfinite_loss", "no loss was watched (san.watch_loss(loss))");
+  }
+  if (c.steps_checked == 0) {
+    for (const char* k :
+         {"nonfinite_grad", "nonfinite_param", "grad_explosion", "grad_vanishing", "missing_grad",
+          "stale_grad", "param_not_in_optimizer", "update_ratio", "fp16_overflow"}) {
+      unchecked(k, no_step);
+    }
+  } else if (c.update_steps == 0) {
+    unchecked("update_ratio", opts.track_updates
+                                  ? "no step had update statistics (Note [Overhead budget])"
+                                  : "track_updates=False");
+  }
+  return c;
+}
+
 void SanitizerImpl::close() {
   if (closed) return;
   audit->close();
@@ -237,7 +325,7 @@ void SanitizerImpl::close() {
   grads.remove();
   closed = true;
   add_overhead(audit->take_overhead());
-  trace.summary(step, amp_skips, overhead_s, store.all());
+  trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now());
   trace.close();
 }
 
@@ -273,6 +361,10 @@ Sanitizer::~Sanitizer() {
 void Sanitizer::report() {
   impl_->add_overhead(impl_->audit->take_overhead());
   for (const Finding& f : impl_->store.take_fresh()) {
+    // A finding printed when it was found (an op about to fail on it) is not raised or printed
+    // again by close(): the job already saw it, and close() may run while the op's own error
+    // propagates.
+    if (impl_->closed && impl_->store.was_said(f)) continue;
     const Action a = policy_action(impl_->opts.policy, f);
     if (impl_->setup.report) {
       impl_->setup.report(f, a);
@@ -309,9 +401,17 @@ void Sanitizer::step_begin(int64_t opt) {
   report();
 }
 
-void Sanitizer::step_end(int64_t opt, bool lr_zero) {
-  impl_->step_end(opt, lr_zero, /*manual=*/false);
+void Sanitizer::step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr) {
+  impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
   report();
+}
+
+void Sanitizer::step_in_flight(int64_t opt) {
+  if (impl_->closed) return;
+  impl_->grads.set_in_step(true);
+  if (std::find(impl_->in_flight.begin(), impl_->in_flight.end(), opt) == impl_->in_flight.end()) {
+    impl_->in_flight.push_back(opt);
+  }
 }
 
 void Sanitizer::amp_skip(int64_t opt) { impl_->amp_skip(opt); }
@@ -328,6 +428,27 @@ void Sanitizer::check_target(const std::string& op, const at::Tensor& input,
     impl_->audit->check_target(op, input, target, ignore_index, num_classes, impl_->step);
   }
   report();
+}
+
+void Sanitizer::saved_tensor_changed(const SavedTensorChange& change) {
+  if (!impl_->closed) impl_->checks.autograd.on_saved_tensor_changed(change, impl_->step);
+  report();
+}
+
+void Sanitizer::custom_grad_result(const CustomGradResult& result) {
+  if (!impl_->closed) impl_->checks.autograd.on_custom_grad(result, impl_->step);
+  report();
+}
+
+bool Sanitizer::inplace_check_step() const {
+  return !impl_->closed && !impl_->grads.in_step() &&
+         impl_->opts.enabled("inplace_before_backward") &&
+         impl_->checks.autograd.inplace_sampled(impl_->step);
+}
+
+bool Sanitizer::gradcheck_step() const {
+  return !impl_->closed && !impl_->grads.in_step() && impl_->opts.enabled("bad_custom_grad") &&
+         impl_->checks.autograd.gradcheck_sampled(impl_->step);
 }
 
 void Sanitizer::add_overhead(double seconds) { impl_->add_overhead(seconds); }
@@ -348,5 +469,7 @@ double Sanitizer::overhead_seconds() const { return impl_->overhead_s; }
 bool Sanitizer::hooks_installed() const { return impl_->grads.installed(); }
 
 bool Sanitizer::auditing() const { return impl_->audit->auditing(); }
+
+Coverage Sanitizer::coverage() const { return impl_->coverage_now(); }
 
 }  // namespace trainsan

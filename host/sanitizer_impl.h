@@ -16,6 +16,7 @@
 #include "checks/check.h"
 #include "findings.h"
 #include "grad_tracker.h"
+#include "overhead_budget.h"
 #include "readback.h"
 #include "trace.h"
 #include "trainsan/sanitizer.h"
@@ -39,10 +40,12 @@ struct SanitizerImpl {
   void manual_boundary();
   void loss(const at::Tensor& loss);
   void check_updates_outside_step(int64_t opt);
-  void step_end(int64_t opt, bool lr_zero, bool manual);  // sanitizer_pass.cpp
+  void step_end(int64_t opt, bool lr_zero, bool manual,
+                const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
   void amp_skip(int64_t opt);
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
   void close();
+  Coverage coverage_now() const;
 
   // The step pass (sanitizer_pass.cpp).
   struct Pass;
@@ -71,13 +74,29 @@ struct SanitizerImpl {
   int64_t step = 0;                      // Note [Step numbering]
   std::map<int64_t, int64_t> opt_steps;  // steps per optimizer (-1: manual mode)
   bool closed = false;
+  std::vector<int64_t> in_flight;  // optimizers whose step was in flight at attach (step_in_flight)
+  // Note [Overhead budget]: which steps get update statistics; per optimizer, the step whose
+  // pass last wrote the snapshots of its parameters (-1: at attach).
+  OverheadBudget budget{opts.enabled("update_outside_step") ? 0.0 : opts.overhead_budget,
+                        opts.overhead_warmup};
+  std::map<int64_t, int64_t> snapshot_step;
+  std::chrono::steady_clock::time_point last_step_end{};
+  double overhead_at_last_step_end = 0.0;
+  Coverage coverage;                  // what was checked (Sanitizer::coverage)
   std::vector<at::Tensor> snapshots;  // previous parameter values (track_updates)
   // ||theta|| of each parameter as of its previous pass (at attach before the first): the
   // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
   std::vector<double> prev_param_l2;
-  std::map<std::string, TensorStats> last;      // last_stats()
-  bool fp16_in_use = false;                     // some forward ran under fp16 autocast
-  std::vector<ModuleRef> current_eval_modules;  // of the last grad-enabled forward
+  std::map<std::string, TensorStats> last;  // last_stats()
+  bool fp16_in_use = false;                 // some forward ran under fp16 autocast
+  // Note [Mode rules]: of the last grad-enabled forward, the model's own eval flag and the
+  // Setup::mode_modules positions in eval mode; forwards so far (outside optimizer steps) with
+  // grad enabled and under no_grad in train mode, and their totals at each optimizer's last step.
+  bool current_model_eval = false;
+  std::vector<size_t> current_eval_modules;
+  int64_t grad_forwards_total = 0;
+  int64_t no_grad_train_forwards_total = 0;
+  std::map<int64_t, std::pair<int64_t, int64_t>> forwards_at_step;  // opt -> (grad, no_grad)
   int64_t input_hash_step = -1;
   int64_t amp_skips = 0;
   double overhead_s = 0.0;       // total measured

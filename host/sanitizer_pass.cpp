@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "nvtx.h"
 #include "sanitizer_impl.h"
@@ -22,13 +24,20 @@ struct SanitizerImpl::Pass {
   int64_t opt = -1;
   bool lr_zero = false;
   bool manual = false;
+  bool partial = false;          // attached inside this step (step_in_flight)
+  std::vector<double> group_lr;  // per param group of the stepping optimizer
   bool hashed = true;  // fingerprints computed (else their column is 0 in last_stats/trace)
+  bool report_update =
+      false;  // update statistics against a fresh snapshot (Note [Overhead budget])
   std::vector<size_t> indices;     // parameters in the pass
   std::vector<Consumed> consumed;  // per entry of indices
   std::vector<int64_t> grad_row;   // per entry: row of its gradient, -1 when none
   std::vector<int64_t> param_row;
   std::vector<std::pair<size_t, int64_t>> row_map;  // global row -> (copy, row in copy)
-  std::vector<ModuleRef> eval_modules;
+  bool model_eval = false;
+  std::vector<size_t> eval_modules;
+  int64_t grad_forwards = 0;
+  int64_t no_grad_train_forwards = 0;
 };
 
 namespace {
@@ -49,7 +58,7 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
     for (size_t r = 0; r < st.size(); ++r) {
       rows[r].stats = st[r];
       if (!p.hashed) rows[r].stats.hash = 0;
-      if (upd) {
+      if (upd && p.report_update) {
         UpdateStats u;
         u.changed = ip[r * kn::kIntFieldsUpdate + kn::kColChanged];
         u.l2 = fp[r * kn::kFloatFieldsUpdate + kn::kColUpdateL2];
@@ -65,6 +74,22 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
     out[g] = per_copy[c][static_cast<size_t>(r)];
   }
   return out;
+}
+
+// Machine epsilon of a floating dtype (ParamView::eps); 0 for the others.
+double dtype_eps(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return std::numeric_limits<double>::epsilon();
+    case at::kFloat:
+      return std::numeric_limits<float>::epsilon();
+    case at::kHalf:
+      return 0.0009765625;  // 2^-10
+    case at::kBFloat16:
+      return 0.0078125;  // 2^-7
+    default:
+      return 0.0;
+  }
 }
 
 // Rows grouped by device, one pass each. Keyed by (device type, index): at::Device has no order.
@@ -102,7 +127,8 @@ void SanitizerImpl::initial_param_norms() {
   }
 }
 
-void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
+void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
+                             const std::vector<double>& group_lr) {
   const auto t0 = Clock::now();
   TRAINSAN_NVTX_RANGE("trainsan/step");
   if (closed) return;
@@ -114,8 +140,25 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
   p->opt = opt;
   p->lr_zero = lr_zero;
   p->manual = manual;
-  p->eval_modules = std::move(current_eval_modules);
-  current_eval_modules.clear();
+  p->group_lr = group_lr;
+  if (!manual) {
+    const auto it = std::find(in_flight.begin(), in_flight.end(), opt);
+    if (it != in_flight.end()) {
+      p->partial = true;
+      in_flight.erase(it);
+    }
+  }
+  // Note [Mode rules]: each optimizer of the model judges the modes of the last grad-enabled
+  // forward, and the forwards since its own previous step.
+  p->model_eval = current_model_eval;
+  p->eval_modules = current_eval_modules;
+  {
+    auto& [grad_at, no_grad_at] = forwards_at_step[manual ? -1 : opt];
+    p->grad_forwards = grad_forwards_total - grad_at;
+    p->no_grad_train_forwards = no_grad_train_forwards_total - no_grad_at;
+    grad_at = grad_forwards_total;
+    no_grad_at = no_grad_train_forwards_total;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     // A step covers its optimizer's parameters and those in no optimizer
     // (param_not_in_optimizer).
@@ -125,12 +168,23 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
   }
   grads.consume(p->indices, manual, &p->consumed);
   std::vector<HostCopy> copies;
+  bool with_snapshot = false;
   {
     TRAINSAN_NVTX_RANGE("trainsan/stats");
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
     // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
     // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
     p->hashed = opts.fingerprints || trace.traces(p->step);
+    // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
+    // step before one; the update is reported where the snapshot is from the step just before.
+    const int64_t opt_key = manual ? -1 : opt;
+    const auto last_snap = snapshot_step.find(opt_key);
+    const bool fresh = (last_snap == snapshot_step.end() ? -1 : last_snap->second) == p->step - 1;
+    const bool due = budget.update_due(p->step);
+    with_snapshot = opts.track_updates && (due || budget.update_due(p->step + 1));
+    // A partial step's snapshot is from attach, inside the step: its update is not the step's.
+    p->report_update = with_snapshot && due && fresh && !p->partial;
+    if (with_snapshot) snapshot_step[opt_key] = p->step;
     std::map<DevKey, std::vector<int64_t>> global_rows;
     int64_t row = 0;
     auto push = [&](const at::Tensor& t, const at::Tensor& snap) {
@@ -155,7 +209,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
     for (size_t k = 0; k < n; ++k) {
       const size_t i = p->indices[k];
       const at::Tensor& prm = params[i].param;
-      at::Tensor snap = opts.track_updates && i < snapshots.size() ? snapshots[i] : at::Tensor();
+      at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
       if (snap.defined() && (snap.device() != prm.device() || snap.numel() != prm.numel() ||
                              snap.scalar_type() != prm.scalar_type())) {
         snap = at::Tensor();  // the parameter was replaced; start a new snapshot
@@ -185,6 +239,14 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual) {
                 [this, p](const std::vector<HostCopy>& c) { check_pass(*p, c); });
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
   readback.step_end();  // the previous pass (GPU), or this one (CPU, or sync)
+  const auto now = Clock::now();
+  if (last_step_end != Clock::time_point{}) {
+    budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
+                   overhead_s - overhead_at_last_step_end, with_snapshot);
+  }
+  last_step_end = now;
+  overhead_at_last_step_end = overhead_s;
+  coverage.update_period = budget.period();
 }
 
 void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {
@@ -196,9 +258,13 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.opt = p.opt;
   v.lr_zero = p.lr_zero;
   v.manual = p.manual;
+  v.partial = p.partial;
   v.have_optimizer = have_optimizer;
   v.fp16_in_use = fp16_in_use;
+  v.model_eval = p.model_eval;
   v.eval_modules = p.eval_modules;
+  v.grad_forwards = p.grad_forwards;
+  v.no_grad_train_forwards = p.no_grad_train_forwards;
   v.params.resize(p.indices.size());
   for (size_t k = 0; k < p.indices.size(); ++k) {
     const size_t i = p.indices[k];
@@ -214,13 +280,22 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     pv.param = pr.stats;
     pv.update = pr.update;
     pv.param_l2_before = prev_param_l2[i];
+    const int64_t grp = params[i].group;
+    if (pv.opt == p.opt && grp >= 0 && static_cast<size_t>(grp) < p.group_lr.size()) {
+      pv.lr = p.group_lr[static_cast<size_t>(grp)];
+    }
+    pv.eps = dtype_eps(params[i].param.scalar_type());
+    pv.grad_left_nonzero = p.consumed[k].left_nonzero;
     prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
   }
   compute_totals(v);
+  coverage.steps_checked += 1;
+  coverage.update_steps += v.totals.any_update ? 1 : 0;
   checks.flow.on_step(v);
   checks.nonfinite.on_step(v);
   checks.magnitudes.on_step(v);
   checks.integrity.on_step(v);
+  if (checks.integrity.take_probe_request()) grads.arm_probe(4);  // Note [Zero gradients]
   checks.mode.on_step(v);
 
   // last_stats() and the step record.
@@ -249,6 +324,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.step = p.step;
     rec.opt = p.opt;
     rec.lr_zero = p.lr_zero;
+    rec.update_stats = v.totals.any_update;
     rec.overhead_s = step_overhead_s;
     rec.totals = v.totals;
     trace.step(rec);

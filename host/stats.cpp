@@ -48,7 +48,6 @@ std::optional<kn::DType> to_dtype(at::ScalarType st) {
   }
 }
 
-
 // Drop size-1 dims and merge neighbours that are contiguous with each other, so that most views
 // (slices, transposes of 2-D blocks, expanded dims) fit kMaxDims and contiguous ones become 1-D.
 int collapse(const at::Tensor& t, int64_t* sizes, int64_t* strides, int max_dims) {
@@ -94,7 +93,8 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
     TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), fn, ": tensors[", i,
                       "] is on device ", t.device(), "; only CPU and CUDA tensors are supported");
     TORCH_CHECK_TYPE(to_dtype(t.scalar_type()).has_value(), fn, ": tensors[", i, "] has dtype ",
-                     t.scalar_type(), ", which is not supported (supported: " TRAINSAN_SUPPORTED_DTYPES ")");
+                     t.scalar_type(),
+                     ", which is not supported (supported: " TRAINSAN_SUPPORTED_DTYPES ")");
   }
 }
 
@@ -263,12 +263,11 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors) {
 }
 
 std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
-  TORCH_CHECK_VALUE(packed.ints.dim() == 2 && packed.ints.size(1) >= kn::kIntFields &&
-                        packed.floats.dim() == 2 && packed.floats.size(1) >= kn::kFloatFields &&
-                        packed.ints.size(0) == packed.floats.size(0),
-                    "unpack_stats: expected ints [N, ", kn::kIntFields, "] and floats [N, ", kn::kFloatFields,
-                    "], got ",
-                    packed.ints.sizes(), " and ", packed.floats.sizes());
+  TORCH_CHECK_VALUE(
+      packed.ints.dim() == 2 && packed.ints.size(1) >= kn::kIntFields && packed.floats.dim() == 2 &&
+          packed.floats.size(1) >= kn::kFloatFields && packed.ints.size(0) == packed.floats.size(0),
+      "unpack_stats: expected ints [N, ", kn::kIntFields, "] and floats [N, ", kn::kFloatFields,
+      "], got ", packed.ints.sizes(), " and ", packed.floats.sizes());
   const at::Tensor ints = packed.ints.to(at::kCPU, at::kLong).contiguous();
   const at::Tensor floats = packed.floats.to(at::kCPU, at::kDouble).contiguous();
   const int64_t* ip = ints.const_data_ptr<int64_t>();

@@ -115,6 +115,7 @@ void TraceWriter::step(const StepRecord& r) {
   std::ostringstream os;
   os << "{\"type\":\"step\",\"step\":" << r.step << ",\"optimizer\":" << r.opt
      << ",\"lr_zero\":" << (r.lr_zero ? "true" : "false")
+     << ",\"update_stats\":" << (r.update_stats ? "true" : "false")
      << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3)
      << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
      << ",\"param_norm\":" << json_number(t.param_norm)
@@ -150,7 +151,7 @@ void TraceWriter::step(const StepRecord& r) {
 }
 
 void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
-                          const std::vector<Finding>& findings) {
+                          const std::vector<Finding>& findings, const Coverage& c) {
   std::map<std::string, int64_t> counts;
   for (const auto& f : findings) counts[f.kind] += f.count;
   std::ostringstream os;
@@ -170,7 +171,20 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
        << ",\"count\":" << f.count << "}";
     sep = ",";
   }
-  os << "]}";
+  os << "],\"coverage\":{\"steps_checked\":" << c.steps_checked
+     << ",\"update_steps\":" << c.update_steps << ",\"update_period\":" << c.update_period
+     << ",\"overhead_budget\":" << json_number(opts_.overhead_budget)
+     << ",\"training_forwards\":" << c.training_forwards
+     << ",\"other_forwards\":" << c.other_forwards << ",\"losses_checked\":" << c.losses_checked
+     << ",\"inputs_fingerprinted\":" << c.inputs_fingerprinted
+     << ",\"audited_forwards\":" << c.audited_forwards << ",\"ops_audited\":" << c.ops_audited
+     << ",\"unchecked\":{";
+  sep = "";
+  for (const auto& [kind, why] : c.unchecked) {
+    os << sep << json_escape(kind) << ":" << json_escape(why);
+    sep = ",";
+  }
+  os << "}}}";
   line(os.str());
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "checks/check.h"
+#include "trainsan/coverage.h"
 #include "trainsan/finding.h"
 #include "trainsan/options.h"
 #include "trainsan/tensor_stats.h"
@@ -33,6 +34,7 @@ struct StepRecord {
   int64_t step = 0;
   int64_t opt = -1;
   bool lr_zero = false;
+  bool update_stats = false;  // the step had update statistics (Note [Overhead budget])
   double overhead_s = 0.0;
   StepTotals totals;
   std::vector<TensorRecord> tensors;
@@ -51,7 +53,7 @@ class TraceWriter {
   void step(const StepRecord& r);
   void amp_skip(int64_t step, int64_t opt);
   void summary(int64_t steps, int64_t amp_skips, double overhead_s,
-               const std::vector<Finding>& findings);
+               const std::vector<Finding>& findings, const Coverage& coverage);
   void close();
 
  private:

@@ -96,7 +96,9 @@ struct SanitizerHandle : torch::CustomClassHolder {
                   std::vector<int64_t> opt_index, c10::Dict<std::string, std::string> options,
                   std::string header_extra, std::vector<std::string> module_names,
                   std::vector<std::string> module_types, std::vector<std::string> skip_frames,
-                  bool manual) {
+                  bool manual, std::vector<int64_t> group_index,
+                  std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
+                  std::vector<int64_t> module_mode_dependent) {
     TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
                       "Sanitizer: names, params and opt_index differ in length");
     TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
@@ -104,10 +106,34 @@ struct SanitizerHandle : torch::CustomClassHolder {
     trainsan::Options o;
     for (const auto& kv : options) o.set(kv.key(), kv.value());
     std::vector<trainsan::Parameter> ps;
-    for (size_t i = 0; i < names.size(); ++i) ps.push_back({names[i], params[i], opt_index[i]});
+    TORCH_CHECK_VALUE(group_index.empty() || group_index.size() == names.size(),
+                      "Sanitizer: names and group_index differ in length");
+    for (size_t i = 0; i < names.size(); ++i) {
+      ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i]});
+    }
     trainsan::Setup setup;
+    // Per module: how many of module_params (flat) are its own, and whether its forward depends on
+    // train/eval (empty: none given, every module mode-dependent and tied to every parameter).
+    TORCH_CHECK_VALUE(
+        module_param_counts.empty() || module_param_counts.size() == module_names.size(),
+        "Sanitizer: module_names and module_param_counts differ in length");
+    TORCH_CHECK_VALUE(
+        module_mode_dependent.empty() || module_mode_dependent.size() == module_names.size(),
+        "Sanitizer: module_names and module_mode_dependent differ in length");
+    size_t flat = 0;
     for (size_t k = 0; k < module_names.size(); ++k) {
       setup.mode_modules.push_back({module_names[k], module_types[k]});
+      if (!module_param_counts.empty()) {
+        const auto c = static_cast<size_t>(module_param_counts[k]);
+        TORCH_CHECK_VALUE(flat + c <= module_params.size(),
+                          "Sanitizer: module_params is shorter than module_param_counts say");
+        setup.mode_modules.back().params.assign(module_params.begin() + flat,
+                                                module_params.begin() + flat + c);
+        flat += c;
+      }
+      if (!module_mode_dependent.empty()) {
+        setup.mode_modules.back().mode_dependent = module_mode_dependent[k] != 0;
+      }
     }
     setup.manual = manual;
     setup.header_extra = std::move(header_extra);
@@ -138,12 +164,14 @@ TORCH_LIBRARY(trainsan, m) {
   m.class_<SanitizerHandle>("Sanitizer")
       .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
                        c10::Dict<std::string, std::string>, std::string, std::vector<std::string>,
-                       std::vector<std::string>, std::vector<std::string>, bool>())
+                       std::vector<std::string>, std::vector<std::string>, bool,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>>())
       .def("forward",
            [](const H& h, bool training, std::vector<at::Tensor> inputs,
-              c10::List<bool> module_eval, double extra_s) {
+              c10::List<bool> module_eval, double extra_s, int64_t data_restarts) {
              h->san->add_overhead(extra_s);
-             h->san->forward({training, std::move(inputs), module_eval.vec()});
+             h->san->forward({training, std::move(inputs), module_eval.vec(), data_restarts});
              return h->take();
            })
       .def("loss",
@@ -157,11 +185,12 @@ TORCH_LIBRARY(trainsan, m) {
              return h->take();
            })
       .def("step_end",
-           [](const H& h, int64_t opt, bool lr_zero, double extra_s) {
+           [](const H& h, int64_t opt, bool lr_zero, double extra_s, std::vector<double> group_lr) {
              h->san->add_overhead(extra_s);
-             h->san->step_end(opt, lr_zero);
+             h->san->step_end(opt, lr_zero, group_lr);
              return h->take();
            })
+      .def("step_in_flight", [](const H& h, int64_t opt) { h->san->step_in_flight(opt); })
       .def("amp_skip", [](const H& h, int64_t opt) { h->san->amp_skip(opt); })
       .def("module_output",
            [](const H& h, std::string name, std::string type, std::vector<at::Tensor> outputs) {
@@ -175,6 +204,32 @@ TORCH_LIBRARY(trainsan, m) {
                                   num_classes);
              return h->take();
            })
+      .def("saved_tensor_changed",
+           [](const H& h, std::string node, std::string tensor, std::vector<int64_t> sizes,
+              std::string dtype) {
+             h->san->saved_tensor_changed(
+                 {std::move(node), std::move(tensor), std::move(sizes), std::move(dtype)});
+             return h->take();
+           })
+      .def(
+          "custom_grad_result",
+          [](const H& h, std::string function, int64_t input_index, double analytic, double central,
+             double curvature, double scale, double unit, double noise, bool low_precision) {
+            trainsan::CustomGradResult r;
+            r.function = std::move(function);
+            r.input_index = input_index;
+            r.analytic = analytic;
+            r.central = central;
+            r.curvature = curvature;
+            r.scale = scale;
+            r.unit = unit;
+            r.noise = noise;
+            r.low_precision = low_precision;
+            h->san->custom_grad_result(r);
+            return h->take();
+          })
+      .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })
+      .def("gradcheck_step", [](const H& h) { return h->san->gradcheck_step(); })
       .def("add_overhead", [](const H& h, double s) { h->san->add_overhead(s); })
       .def("close",
            [](const H& h) {
@@ -189,6 +244,26 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("hooks_installed", [](const H& h) { return h->san->hooks_installed(); })
       .def("auditing", [](const H& h) { return h->san->auditing(); })
+      .def("coverage",
+           [](const H& h) {
+             const trainsan::Coverage c = h->san->coverage();
+             c10::Dict<std::string, int64_t> counts;
+             counts.insert("steps_checked", c.steps_checked);
+             counts.insert("update_steps", c.update_steps);
+             counts.insert("update_period", c.update_period);
+             counts.insert("training_forwards", c.training_forwards);
+             counts.insert("other_forwards", c.other_forwards);
+             counts.insert("losses_checked", c.losses_checked);
+             counts.insert("inputs_fingerprinted", c.inputs_fingerprinted);
+             counts.insert("audited_forwards", c.audited_forwards);
+             counts.insert("ops_audited", c.ops_audited);
+             std::vector<std::string> kinds, reasons;
+             for (const auto& [k, why] : c.unchecked) {
+               kinds.push_back(k);
+               reasons.push_back(why);
+             }
+             return std::make_tuple(counts, kinds, reasons);
+           })
       .def("step", [](const H& h) { return h->san->step(); })
       .def("overhead_s", [](const H& h) { return h->san->overhead_seconds(); })
       .def("last_stats", [](const H& h) {

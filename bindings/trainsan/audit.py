@@ -5,8 +5,9 @@ ATen RecordFunction observer looks at the ops of a sampled step's forward and lo
 and LibTorch programs alike. An observer cannot stop an op (ATen swallows exceptions thrown by
 its callbacks), so its findings reach the policy at the sanitizer's next event.
 
-With ``sync=True`` and policy ``"raise"`` this module adds one thing: while a step is audited, a
-:class:`LabelGuard` (a ``TorchFunctionMode``) checks the target of each class-index loss
+With policy ``"raise"`` this module adds one thing: while a step is audited, a
+:class:`LabelGuard` (a ``TorchFunctionMode``) checks the target — on a CPU always (a host read),
+on a GPU with ``sync=True`` only (else a device sync) — of each class-index loss
 (``F.cross_entropy``, ``F.nll_loss``, ``F.multi_margin_loss``, ``F.one_hot``) *before* the call
 and raises :class:`trainsan.TrainingBugError` there, so that an out-of-range label never reaches
 the op (on a GPU: never triggers its device-side assert, which would leave the CUDA context
@@ -16,6 +17,7 @@ unusable). It costs a Python call per torch function during audited steps only.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["LabelGuard"]
+
+_GUARDS: "weakref.WeakSet[LabelGuard]" = weakref.WeakSet()
 
 
 def _binder(fn):
@@ -54,11 +58,21 @@ class LabelGuard(TorchFunctionMode):
     audited window runs from the forward pre-hook to the optimizer step).
     """
 
-    def __init__(self, check: Callable[..., None]):
+    def __init__(self, check: Callable[..., None], host_only: bool = False):
         super().__init__()
         self._check = check
+        self._host_only = host_only  # only targets on a CPU (no device sync without sync=True)
         self._pushed = False
         self._active = False
+        _GUARDS.add(self)
+
+    @staticmethod
+    def end_all_windows() -> None:
+        """Take every guard's audited window down (a new sanitizer is attached): a window left
+        open by an exception (the sanitizer never got to its step, nor closed) must not keep
+        checking another model's losses. Its own next training forward opens it again."""
+        for g in list(_GUARDS):
+            g.pop()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,10 +82,19 @@ class LabelGuard(TorchFunctionMode):
                 name, bind, has_ignore = spec
                 a = bind(args, kwargs)
                 target = a.get("target")
-                if isinstance(target, torch.Tensor) and isinstance(a.get("input"), torch.Tensor):
+                if (
+                    isinstance(target, torch.Tensor)
+                    and isinstance(a.get("input"), torch.Tensor)
+                    and not (self._host_only and target.device.type != "cpu")
+                ):
                     ignore: Optional[int] = int(a["ignore_index"]) if has_ignore else None
                     self._check(name, a["input"], target, ignore, -1)
-            elif func is F.one_hot and args and isinstance(args[0], torch.Tensor):
+            elif (
+                func is F.one_hot
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and not (self._host_only and args[0].device.type != "cpu")
+            ):
                 num_classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
                 self._check("aten::one_hot", None, args[0], None, int(num_classes))
         return func(*args, **kwargs)

@@ -25,7 +25,8 @@ BUGS = {
     "param_not_in_optimizer": "a layer is added to the model after the optimizer was built",
     "nonfinite_loss": "the loss takes log() of a probability that underflows to 0",
     "nonfinite_grad": "a sqrt of a value that reaches 0 puts Inf into the gradients",
-    "no_grad_leak": "the training forward runs under torch.no_grad() (a 'feature' call)",
+    "no_grad_leak": "an extra forward under torch.no_grad() in train mode (a 'feature' call): "
+                    "its Dropout runs as in training (a warning)",
     "eval_mode": "model.eval() for validation, model.train() forgotten afterwards",
     "duplicate_batch": "the loop re-reads the first batch: next(iter(loader)) inside the loop",
     "grad_explosion": "the loss is multiplied by 1e6 from the third epoch on",
@@ -58,8 +59,13 @@ def _batches(x, y, batch, bug):
     n = len(x)
     g = torch.Generator().manual_seed(len(x))
     perm = torch.randperm(n, generator=g)
+    if bug == "duplicate_batch":
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+        for _ in range(0, n - batch + 1, batch):
+            yield next(iter(loader))  # the bug: a fresh iterator, so always its first batch
+        return
     for i in range(0, n - batch + 1, batch):
-        idx = perm[i : i + batch] if bug != "duplicate_batch" else perm[:batch]
+        idx = perm[i : i + batch]
         yield x[idx], y[idx]
 
 

@@ -18,7 +18,10 @@ void record(Core& c, Kind kind, const std::string& name, const std::string& mess
   const Finding* f = c.sink->add(kind, name, message, value, step);
   // The op usually fails right after (IndexError, device-side assert), before the next event
   // could report the finding: say it now.
-  if (f != nullptr && say_now && c.cfg.print_failing) print_finding(*f);
+  if (f != nullptr && say_now && c.cfg.print_failing) {
+    print_finding(*f);
+    c.sink->said(kind, name);  // close() does not report it again
+  }
 }
 
 }  // namespace audit
@@ -54,6 +57,10 @@ void OpAudit::begin_forward(int64_t step) {
   if (step >= c.cfg.first_steps && (c.cfg.every <= 0 || step % c.cfg.every != 0)) return;
   audit::flush_deferred(c);
   c.last_target = audit::LastTarget();
+  {
+    const std::lock_guard<std::mutex> lock(c.mu);
+    c.audited_forwards += 1;
+  }
   c.active.store(true);
   audit::activate(core_);
 }
@@ -66,6 +73,11 @@ void OpAudit::stop() {
 bool OpAudit::auditing() const { return core_->active.load(); }
 
 void OpAudit::flush() { audit::flush_deferred(*core_); }
+
+std::pair<int64_t, int64_t> OpAudit::coverage() const {
+  const std::lock_guard<std::mutex> lock(core_->mu);
+  return {core_->audited_forwards, core_->ops_audited};
+}
 
 double OpAudit::take_overhead() {
   const std::lock_guard<std::mutex> lock(core_->mu);

@@ -74,6 +74,8 @@ struct Core {
   ReadbackQueue* readback = nullptr;
   bool open = true;
   double overhead_s = 0.0;
+  int64_t audited_forwards = 0;  // coverage (under mu)
+  int64_t ops_audited = 0;
   std::vector<DeviceCheck> device_checks;
   std::atomic<bool> active{false};
   std::thread::id thread;  // the audited thread (under the registry's mutex)

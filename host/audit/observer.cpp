@@ -274,6 +274,7 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   {
     const std::lock_guard<std::mutex> lock(core->mu);
     core->overhead_s += dt;
+    core->ops_audited += 1;
   }
   if (ctx) t_loss_depth += 1;
   return ctx;

@@ -5,12 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "finding_sink.h"
+#include "trainsan/autograd_facts.h"
 #include "trainsan/options.h"
 #include "trainsan/tensor_stats.h"
 
@@ -59,11 +61,30 @@ struct ParamView {
   TensorStats param;                  ///< after the step
   std::optional<UpdateStats> update;  ///< with track_updates
   double param_l2_before = 0.0;       ///< ||theta|| before the step; NaN where unknown
+  /// Learning rate of its optimizer group at the step; NaN where unknown (C++ end_step() without
+  /// group rates, a learning rate held in a device tensor).
+  double lr = std::numeric_limits<double>::quiet_NaN();
+  double eps = 0.0;  ///< machine epsilon of the parameter's dtype (0: not floating point)
+  /// Whether .grad as the last backward left it held a nonzero element; probed only on the steps
+  /// after one whose gradients were all zero and modified before the step (Note [Zero gradients]).
+  std::optional<bool> grad_left_nonzero;
 };
 
 struct ModuleRef {
   std::string name;
   std::string type;  ///< e.g. "Dropout"; may be empty (LibTorch callers that do not say)
+};
+
+/// A module registered once at attach for the mode rules (Setup::mode_modules; ModeCheck).
+struct ModeModule {
+  ModuleRef ref;
+  /// The parameters whose training makes its eval mode matter (eval_mode): its own for a module
+  /// with parameters, those of its nearest ancestor with parameters for a parameterless one
+  /// (Dropout). Empty: every parameter.
+  std::vector<size_t> params;
+  /// Its forward depends on train/eval (Dropout, BatchNorm tracking running statistics, ...): a
+  /// no_grad forward in train mode runs it as in training (no_grad_leak's warning).
+  bool mode_dependent = true;
 };
 
 /// Global figures of a step, computed once from the ParamViews (step_view.cpp) for the checks and
@@ -89,8 +110,19 @@ struct StepView {
   bool manual = false;
   bool have_optimizer = true;
   bool fp16_in_use = false;  ///< some forward so far ran under fp16 autocast
+  /// The sanitizer was attached inside this step (Sanitizer::step_in_flight): the hooks and the
+  /// snapshot saw only its end, so the step-level rules do not judge it.
+  bool partial = false;
   std::vector<ParamView> params;
-  std::vector<ModuleRef> eval_modules;  ///< mode-sensitive modules in eval mode at the forward
+  /// At the last grad-enabled forward of the model before the step: its own train flag was false
+  /// (the whole model in eval mode), and the registered modules (ModeCheck::set_modules
+  /// positions) that were in eval mode.
+  bool model_eval = false;
+  std::vector<size_t> eval_modules;
+  /// Forwards of the model since its optimizer's previous step, outside optimizer steps: under
+  /// no_grad in train mode, and with grad enabled (no_grad_leak).
+  int64_t no_grad_train_forwards = 0;
+  int64_t grad_forwards = 0;
   StepTotals totals;
 };
 /// Fills view.totals from view.params.
@@ -107,6 +139,9 @@ struct ForwardView {
   int64_t backwards_since_step = 0;
   /// Parameters whose gradient was cleared twice without a step of their optimizer (GradState).
   std::vector<std::string> skipped;
+  /// For a no_grad forward in train mode: the registered mode-dependent modules in train mode
+  /// (ModeCheck::set_modules positions).
+  std::vector<size_t> train_mode_dependent;
 };
 
 /// Each family: one class, one file. Constructed with the sink and the options; the sanitizer
@@ -165,33 +200,101 @@ class StepIntegrityCheck {  // step_integrity.cpp: skipped_step (3 rules), updat
   void on_step(const StepView& v);        // cleared before the step, a step that changed nothing
   /// update_outside_step: the parameters that changed since the previous step's end.
   void on_step_begin(const std::vector<std::string>& changed, int64_t step);
+  /// Whether the last step's gradients were all zero and modified in place before the step, with
+  /// nothing to tell whether backward() left them so (Note [Zero gradients]); the sanitizer then
+  /// probes the next steps' gradients as backward() leaves them. Reading resets it.
+  bool take_probe_request() { return std::exchange(probe_request_, false); }
 
  private:
+  void unchanged_tensors(const StepView& v);
   FindingSink& sink_;
   const Options& opts_;
+  bool probe_request_ = false;
 };
 
-class ModeCheck {  // mode.cpp: no_grad_leak, eval_mode
+class ModeCheck {  // mode.cpp: no_grad_leak, eval_mode (Note [Mode rules])
  public:
   ModeCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  /// The registered modules, once at attach; views refer to them by position.
+  void set_modules(std::vector<ModeModule> modules) { modules_ = std::move(modules); }
   void on_forward(const ForwardView& v);
   void on_step(const StepView& v);
 
  private:
+  void no_grad_step(const StepView& v);
+  void eval_step(const StepView& v);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
+  std::vector<ModeModule> modules_;
 };
 
-class InputsCheck {  // inputs.cpp: duplicate_batch
+class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data])
  public:
   InputsCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   /// `hash`: one fingerprint of the step's first training inputs (their TensorStats hashes).
-  void on_inputs(uint64_t hash, int64_t step);
+  /// `restarts`: how many times so far a data loader was iterated anew after its previous
+  /// iterator had yielded only its first batch (of more than one; ForwardFacts::data_restarts).
+  void on_inputs(uint64_t hash, int64_t step, int64_t restarts = 0);
 
  private:
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
   std::optional<uint64_t> last_hash_;
+  int64_t last_restarts_ = 0;
+  int64_t changes_in_row_ = 0;  // consecutive steps whose inputs differed from the step before
+  bool advancing_ = false;      // the inputs once changed at two consecutive steps
+};
+
+/// One loss: the root of a training backward (Python: every scalar backward while attached) or a
+/// loss given to watch_loss. Read back like the other device results (Note [Lagged checks]).
+struct LossView {
+  int64_t step = 0;
+  TensorStats stats;     ///< value: sum / numel (a scalar's value)
+  bool in_step = false;  ///< evaluated inside an optimizer step (a closure): not a step's loss
+};
+
+class LossCheck {  // loss.cpp: loss_spike, trivial_loss (nonfinite_loss is NonfiniteCheck's)
+ public:
+  LossCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  void on_loss(const LossView& v);
+
+ private:
+  void spike(double x, int64_t step);
+  void trivial(const LossView& v, double x);
+  FindingSink& sink_;
+  const Options& opts_;
+  // loss_spike: one stream per sanitizer, the most recent loss_spike_window finite losses.
+  std::vector<double> window_;  // ring buffer
+  size_t next_ = 0;
+  int64_t seen_ = 0;
+  // trivial_loss: the first finite loss, and whether every loss since had its bits.
+  std::optional<double> first_;
+  uint64_t first_hash_ = 0;
+  bool constant_ = true;
+  int64_t constant_steps_ = 0;  // distinct steps whose losses all equal the first
+  int64_t last_step_ = -1;
+};
+
+class AutogradCheck {  // autograd.cpp: inplace_before_backward, bad_custom_grad
+ public:
+  AutogradCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  /// Whether the training forward of `step` gets the saved-tensor check: the steps the op audit
+  /// samples (audit_first_steps, then every audit_every-th).
+  bool inplace_sampled(int64_t step) const;
+  /// Whether custom Functions are checked at `step`: every gradcheck_every-th step (0: never).
+  bool gradcheck_sampled(int64_t step) const;
+  /// A saved tensor changed while its version counter did not (the caller compared them).
+  void on_saved_tensor_changed(const SavedTensorChange& c, int64_t step);
+  /// One directional finite-difference check of a custom Function's backward.
+  void on_custom_grad(const CustomGradResult& r, int64_t step);
+
+  enum class Verdict : uint8_t { kAgrees, kMismatch, kInconclusive };
+  /// The tolerance rule of bad_custom_grad (Note [Directional gradcheck], autograd.cpp).
+  static Verdict judge(const CustomGradResult& r);
+
+ private:
+  FindingSink& sink_;
+  const Options& opts_;
 };
 
 /// Every family, in the order the sanitizer runs them on a step (the order findings appear in:
@@ -203,13 +306,17 @@ struct Checks {
         magnitudes(sink, opts),
         integrity(sink, opts),
         mode(sink, opts),
-        inputs(sink, opts) {}
+        inputs(sink, opts),
+        loss(sink, opts),
+        autograd(sink, opts) {}
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
   MagnitudeCheck magnitudes;
   StepIntegrityCheck integrity;
   ModeCheck mode;
   InputsCheck inputs;
+  LossCheck loss;
+  AutogradCheck autograd;
 };
 
 }  // namespace trainsan::host

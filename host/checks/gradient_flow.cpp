@@ -39,7 +39,8 @@ void GradientFlowCheck::on_step(const StepView& v) {
     }
     int64_t& without = steps_without_grad_[p.index];
     const bool counted = v.manual ? p.trainable : (p.opt >= 0 && p.trainable);
-    if (counted && !o.got_grad && with_grad > 0) {
+    // A partial step (attached inside it) may have missed gradients that arrived before attach.
+    if (counted && !o.got_grad && with_grad > 0 && !v.partial) {
       without += 1;
       if (without >= opts_.missing_grad_patience) {
         sink_.add(Kind::missing_grad, p.name,

@@ -20,15 +20,17 @@ struct Recorded {
   std::string message;
   std::optional<double> value;
   int64_t step;
+  Severity severity;  ///< the kind's, or the override the check gave
 };
 
 class FakeSink : public FindingSink {
  public:
   const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
-                     std::optional<double> value, int64_t step) override {
+                     std::optional<double> value, int64_t step,
+                     std::optional<Severity> severity = std::nullopt) override {
     const auto on = enabled.find(kind);
     if (!(on == enabled.end() ? info(kind).default_on : on->second)) return nullptr;
-    calls.push_back({kind, tensor, message, value, step});
+    calls.push_back({kind, tensor, message, value, step, severity.value_or(info(kind).severity)});
     const auto key = std::make_pair(kind, tensor);
     if (const auto it = index_.find(key); it != index_.end()) {
       findings_[it->second].count += 1;
@@ -40,6 +42,7 @@ class FakeSink : public FindingSink {
     f.tensor = tensor;
     f.message = message;
     f.value = value;
+    f.severity = severity_name(severity.value_or(info(kind).severity));
     index_[key] = findings_.size();
     findings_.push_back(f);
     return &findings_.back();

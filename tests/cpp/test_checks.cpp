@@ -163,77 +163,302 @@ TEST(NonfiniteCheck, ModuleOutputWithAndWithoutType) {
 
 // --- mode ---
 
-TEST(ModeCheck, NoGradLeakInTrainModeOnly) {
-  FakeSink sink;
-  Options o;
-  ModeCheck c(sink, o);
-  ForwardView f;
-  f.step = 1;
-  c.on_forward(f);
-  f.grad_enabled = false;
-  f.training = false;  // validation
-  c.on_forward(f);
-  EXPECT_TRUE(sink.calls.empty());
-  f.training = true;
-  c.on_forward(f);
-  ASSERT_EQ(sink.calls.size(), 1u);
-  EXPECT_EQ(sink.calls[0].kind, Kind::no_grad_leak);
-  EXPECT_EQ(sink.calls[0].message,
-            "the model's forward ran with gradients disabled (torch.no_grad / inference_mode) "
-            "while the model is in train mode — parameters get no gradient from this forward; if "
-            "this is validation, call model.eval() first, otherwise remove the no_grad context "
-            "around the training forward");
-  EXPECT_EQ(sink.calls[0].step, 1);
+ModeModule mode_module(const std::string& name, const std::string& type, std::vector<size_t> params,
+                       bool mode_dependent) {
+  ModeModule m;
+  m.ref = {name, type};
+  m.params = std::move(params);
+  m.mode_dependent = mode_dependent;
+  return m;
 }
 
-TEST(ModeCheck, EvalModeWithAndWithoutType) {
+TEST(ModeCheck, NoGradForwardInTrainModeIsSilentWithoutModeDependentModules) {
   FakeSink sink;
   Options o;
   ModeCheck c(sink, o);
+  c.set_modules({mode_module("fc", "Linear", {0, 1}, false)});
+  ForwardView f;
+  f.step = 1;
+  c.on_forward(f);  // a training forward
+  f.grad_enabled = false;
+  c.on_forward(f);  // a prediction / rollout / metric in train mode: nothing mode-dependent
+  f.training = false;
+  f.train_mode_dependent = {0};  // (validation in eval mode: never judged)
+  c.on_forward(f);
+  EXPECT_TRUE(sink.calls.empty());
+}
+
+TEST(ModeCheck, NoGradForwardWarnsNamingTheConsequence) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  c.set_modules({mode_module("drop", "Dropout", {0, 1}, true),
+                 mode_module("bn", "BatchNorm1d", {2, 3}, true),
+                 mode_module("fc", "Linear", {0, 1}, false)});
+  ForwardView f;
+  f.step = 2;
+  f.grad_enabled = false;
+  f.train_mode_dependent = {1};
+  c.on_forward(f);
+  f.train_mode_dependent = {0, 1};
+  f.step = 3;
+  c.on_forward(f);
+  f.grad_enabled = true;  // with grad: a training forward, not judged here
+  c.on_forward(f);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::no_grad_leak);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
+  EXPECT_EQ(sink.calls[0].tensor, "bn");
+  EXPECT_EQ(sink.calls[0].value, 1.0);
+  EXPECT_EQ(sink.calls[0].message,
+            "the model's forward ran under torch.no_grad / inference_mode while the model is in "
+            "train mode, so module 'bn' (BatchNorm1d) behaved as in training — BatchNorm running "
+            "statistics are updated with this forward's data (evaluation data leaks into the "
+            "statistics used at inference); for evaluation or prediction call model.eval() first "
+            "(and model.train() after); if the no_grad forward is part of training on purpose "
+            "(e.g. generating samples for another model), this warning can be ignored");
+  EXPECT_EQ(sink.calls[1].tensor, "drop");
+  EXPECT_EQ(sink.calls[1].severity, Severity::kWarning);
+  EXPECT_EQ(sink.calls[1].value, 2.0);
+  EXPECT_NE(sink.calls[1].message.find("module 'drop' (Dropout) and 1 other mode-dependent "
+                                       "module(s) behaved as in training — BatchNorm running "),
+            std::string::npos)
+      << sink.calls[1].message;
+  EXPECT_NE(sink.calls[1].message.find(", and dropout is active, so these outputs are randomly "
+                                       "perturbed;"),
+            std::string::npos)
+      << sink.calls[1].message;
+}
+
+// Two trainable parameters of optimizer 0 and one of optimizer 1; none got a gradient.
+StepView no_grad_step() {
   StepView v;
-  v.step = 6;
+  v.step = 4;
+  v.opt = 0;
+  v.params = {param(0, "conv.weight"), param(1, "conv.bias"), param(2, "other.weight")};
+  v.params[2].opt = 1;
+  for (ParamView& p : v.params) {
+    p.observed.got_grad = false;
+    p.grad.reset();
+  }
+  v.no_grad_train_forwards = 2;
+  v.grad_forwards = 0;
+  return v;
+}
+
+TEST(ModeCheck, NoGradLeakIsAnErrorWhenTheStepTrainsNothing) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  c.on_step(no_grad_step());
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::no_grad_leak);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kError);
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[0].step, 4);
+  EXPECT_EQ(sink.calls[0].value, 2.0);
+  EXPECT_EQ(sink.calls[0].message,
+            "the model's forward ran with gradients disabled (torch.no_grad / inference_mode) in "
+            "train mode (2 forward(s) since the previous step) and never with gradients enabled, "
+            "so none of its 2 trainable parameter(s) in this optimizer (e.g. conv.weight) got a "
+            "gradient for this step — remove the no_grad context around the training forward; if "
+            "the model is meant to stay frozen, set requires_grad_(False) on it or leave it out "
+            "of the optimizer");
+}
+
+TEST(ModeCheck, NoGradLeakSilentCases) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  StepView v = no_grad_step();
+  v.grad_forwards = 1;  // a grad-enabled forward too: the no_grad one was a prediction
   c.on_step(v);
-  v.eval_modules = {{"drop", "Dropout"}, {"bn", "BatchNorm1d"}};
-  v.manual = true;  // no step to judge
+  v = no_grad_step();
+  v.no_grad_train_forwards = 0;  // no forward at all since the step (e.g. a scheduler test step)
+  c.on_step(v);
+  v = no_grad_step();
+  v.params[1].observed.got_grad = true;  // a gradient arrived (an LBFGS closure inside the step)
+  c.on_step(v);
+  v = no_grad_step();
+  v.params[0].trainable = v.params[1].trainable = false;  // frozen on purpose
+  c.on_step(v);
+  v = no_grad_step();
+  v.params[0].opt = v.params[1].opt = -1;  // in no optimizer
+  c.on_step(v);
+  v = no_grad_step();
+  v.opt = 1;
+  v.params[2].observed.got_grad = true;  // the other optimizer's step trains its parameter
+  c.on_step(v);
+  v = no_grad_step();
+  v.manual = true;  // no optimizer: steps are training forwards
   c.on_step(v);
   EXPECT_TRUE(sink.calls.empty());
-  v.manual = false;
-  c.on_step(v);
-  v.eval_modules = {{"head", ""}};
-  c.on_step(v);
-  ASSERT_EQ(sink.calls.size(), 2u);
-  EXPECT_EQ(sink.calls[0].tensor, "drop");
-  EXPECT_EQ(sink.calls[0].message,
-            "module 'drop' (Dropout) and 1 other module(s) ran in eval mode during a training "
-            "step — Dropout/BatchNorm behave as at inference and BatchNorm statistics stop "
-            "updating; call model.train() after validation");
+}
+
+// bn owns 0-1, drop sits in the model (0-3), frozen_bn owns 4-5 (requires_grad False),
+// unopt owns 6 (trainable, in no optimizer), all: registered without parameters (LibTorch).
+StepView eval_step_view(std::vector<size_t> eval_modules) {
+  StepView v;
+  v.step = 7;
+  v.opt = 0;
+  for (size_t i = 0; i < 7; ++i) {
+    static const char* names[] = {"bn.weight",  "bn.bias",  "fc.weight",   "fc.bias",
+                                  "fbn.weight", "fbn.bias", "unopt.weight"};
+    v.params.push_back(param(i, names[i]));
+  }
+  v.params[4].trainable = v.params[5].trainable = false;
+  v.params[4].observed.got_grad = v.params[5].observed.got_grad = false;
+  v.params[6].opt = -1;
+  v.eval_modules = std::move(eval_modules);
+  return v;
+}
+
+std::vector<ModeModule> eval_modules_registry() {
+  return {mode_module("bn", "BatchNorm1d", {0, 1}, true),
+          mode_module("drop", "Dropout", {0, 1, 2, 3}, true),
+          mode_module("fbn", "BatchNorm1d", {4, 5}, true),
+          mode_module("unopt", "Linear", {6}, false), mode_module("all", "", {}, true)};
+}
+
+TEST(ModeCheck, EvalModeJudgedByWhatTrains) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  c.set_modules(eval_modules_registry());
+  c.on_step(eval_step_view({}));
+  c.on_step(eval_step_view({2, 3}));  // frozen BN, and a module whose parameter is in no optimizer
+  StepView nothing = eval_step_view({0, 1});
+  for (ParamView& p : nothing.params) p.observed.got_grad = false;  // nothing trains this step
+  c.on_step(nothing);
+  StepView manual = eval_step_view({0});
+  manual.manual = true;
+  c.on_step(manual);
+  EXPECT_TRUE(sink.calls.empty());
+
+  c.on_step(eval_step_view({0, 1, 2}));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::eval_mode);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
+  EXPECT_EQ(sink.calls[0].tensor, "bn");
   EXPECT_EQ(sink.calls[0].value, 2.0);
-  EXPECT_EQ(sink.calls[1].message,
-            "module 'head' ran in eval mode during a training step — Dropout/BatchNorm behave as "
-            "at inference and BatchNorm statistics stop updating; call model.train() after "
-            "validation");
-  EXPECT_EQ(sink.calls[1].value, 1.0);
+  EXPECT_EQ(sink.calls[0].step, 7);
+  EXPECT_EQ(sink.calls[0].message,
+            "module 'bn' (BatchNorm1d) and 1 other module(s) ran in eval mode during a training "
+            "step while its parameters are being trained (e.g. bn.weight) — it behaves as at "
+            "inference (Dropout off, BatchNorm on frozen running statistics); call model.train() "
+            "after validation, or, if it is frozen on purpose, freeze its parameters too "
+            "(requires_grad_(False))");
+
+  c.on_step(eval_step_view({1}));  // a parameterless Dropout: the parameters around it train
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[1].tensor, "drop");
+  EXPECT_NE(sink.calls[1].message.find("module 'drop' (Dropout) ran in eval mode during a "
+                                       "training step while the parameters of its enclosing "
+                                       "module are being trained (e.g. bn.weight)"),
+            std::string::npos)
+      << sink.calls[1].message;
+
+  c.on_step(eval_step_view({4}));  // registered without parameters: every parameter counts
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_EQ(sink.calls[2].tensor, "all");
+}
+
+TEST(ModeCheck, WholeModelTrainedInEvalMode) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  c.set_modules(eval_modules_registry());
+  StepView v = eval_step_view({0, 1, 2});
+  v.model_eval = true;
+  c.on_step(v);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].tensor, "<model>");
+  EXPECT_EQ(sink.calls[0].value, 3.0);
+  EXPECT_EQ(sink.calls[0].message,
+            "the model ran in eval mode (model.training is False) during a training step while "
+            "its parameters are being trained (e.g. bn.weight) — Dropout is off, BatchNorm "
+            "normalises with (and stops updating) its running statistics, and any module that "
+            "reads self.training behaves as at inference; call model.train() after validation (or "
+            "after loading the model)");
+  // A model in eval mode whose step trains nothing (frozen, evaluated with grad): silent.
+  FakeSink quiet;
+  ModeCheck c2(quiet, o);
+  StepView frozen = eval_step_view({});
+  frozen.model_eval = true;
+  for (ParamView& p : frozen.params) p.observed.got_grad = false;
+  c2.on_step(frozen);
+  EXPECT_TRUE(quiet.calls.empty());
 }
 
 // --- inputs ---
 
-TEST(InputsCheck, DuplicateBatchAgainstThePreviousStepOnly) {
+TEST(InputsCheck, RepeatsWithoutTheStuckSignatureAreSilent) {
+  FakeSink sink;
+  Options o;
+  {
+    InputsCheck c(sink, o);  // full batch from step 0
+    for (int64_t s = 0; s < 10; ++s) c.on_inputs(42, s);
+  }
+  {
+    InputsCheck c(sink, o);  // a probe forward, then full batch; a GAN's D(fake.detach()), D(fake)
+    for (int64_t s = 0; s < 6; ++s) c.on_inputs(s == 0 ? 7 : 42, s);
+  }
+  {
+    InputsCheck c(sink, o);  // data echoing: each batch twice, never two changes in a row
+    for (int64_t s = 0; s < 8; ++s) c.on_inputs(static_cast<uint64_t>(s / 2), s);
+  }
+  {
+    InputsCheck c(sink, o);  // a loader restarted, but the inputs differ (shuffled)
+    for (int64_t s = 0; s < 4; ++s) c.on_inputs(static_cast<uint64_t>(s), s, s);
+  }
+  {
+    InputsCheck c(sink, o);  // back to a batch of two steps ago
+    c.on_inputs(1, 0);
+    c.on_inputs(2, 1);
+    c.on_inputs(1, 2);
+  }
+  EXPECT_TRUE(sink.calls.empty());
+}
+
+TEST(InputsCheck, StuckAfterAdvancing) {
   FakeSink sink;
   Options o;
   InputsCheck c(sink, o);
   c.on_inputs(1, 0);
   c.on_inputs(2, 1);
-  c.on_inputs(1, 2);  // same as two steps ago: fine
+  c.on_inputs(3, 2);  // two changes in a row: the data was advancing
   EXPECT_TRUE(sink.calls.empty());
-  c.on_inputs(1, 3);
-  ASSERT_EQ(sink.calls.size(), 1u);
+  c.on_inputs(3, 3);
+  c.on_inputs(3, 4);
+  ASSERT_EQ(sink.calls.size(), 2u);
   EXPECT_EQ(sink.calls[0].kind, Kind::duplicate_batch);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
+  EXPECT_EQ(sink.calls[0].step, 3);
+  EXPECT_FALSE(sink.calls[0].value);
   EXPECT_EQ(sink.calls[0].message,
             "the training forward received exactly the same inputs (bit for bit) as at the "
-            "previous step — the data loader or the batch variable is not advancing (e.g. `x, y = "
-            "next(iter(loader))` inside the loop, or a batch reused by mistake)");
-  EXPECT_FALSE(sink.calls[0].value);
-  EXPECT_EQ(sink.calls[0].step, 3);
+            "previous step, after earlier steps each got new inputs — the data stopped advancing "
+            "(an exhausted iterator whose last batch is kept, a batch variable no longer "
+            "reassigned, a cached batch); check where the loop fetches its batch");
+  EXPECT_EQ(sink.count(Kind::duplicate_batch), 2);
+}
+
+TEST(InputsCheck, LoaderRestartedAfterItsFirstBatch) {
+  FakeSink sink;
+  Options o;
+  InputsCheck c(sink, o);
+  c.on_inputs(5, 0, 3);  // restarts before attach do not count
+  c.on_inputs(5, 1, 3);  // the same inputs, no restart in between: full batch
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_inputs(5, 2, 4);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].step, 2);
+  EXPECT_EQ(sink.calls[0].message,
+            "the training forward received exactly the same inputs (bit for bit) as at the "
+            "previous step, and a DataLoader was iterated anew in between after its previous "
+            "iterator had yielded only its first batch — `next(iter(loader))` inside the loop "
+            "takes the same first batch every step: create the iterator once (`it = iter(loader)` "
+            "before the loop, `next(it)` inside) or loop `for x, y in loader`");
 }
 
 }  // namespace

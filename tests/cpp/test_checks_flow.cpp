@@ -57,6 +57,21 @@ TEST(GradientFlowCheck, MissingGradFiresAtExactlyThePatience) {
   EXPECT_EQ(sink.calls.size(), 2u);
 }
 
+// Attached inside a step (StepView::partial): a gradient that arrived before attach was not
+// seen, so that step does not count towards missing_grad.
+TEST(GradientFlowCheck, MissingGradSkipsAPartialStep) {
+  FakeSink sink;
+  Options o;
+  o.missing_grad_patience = 1;
+  GradientFlowCheck c(sink, o, 2);
+  StepView partial = flow_step(0, false);
+  partial.partial = true;
+  c.on_step(partial);
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(flow_step(1, false));
+  EXPECT_EQ(sink.count(Kind::missing_grad, "a"), 1);
+}
+
 TEST(GradientFlowCheck, MissingGradCountsOnlyTrainableParametersOfAnOptimizer) {
   for (const bool manual : {false, true}) {
     FakeSink sink;

@@ -12,6 +12,7 @@ namespace trainsan::host {
 namespace {
 
 using testing::FakeSink;
+using testing::kNaN;
 using testing::param;
 using testing::stats;
 
@@ -227,18 +228,192 @@ TEST(StepIntegrityCheck, GradientsClearedBeforeTheStep) {
   c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kModified, 3));  // b clipped, not zeroed
   c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kAsBackwardLeft, 4));
   EXPECT_TRUE(sink.calls.empty());
+  EXPECT_FALSE(c.take_probe_request());
   StepView manual = cleared_step(GradAtStep::kNone, GradAtStep::kNone, 0);
   manual.manual = true;
   c.on_step(manual);
+  StepView partial = cleared_step(GradAtStep::kNone, GradAtStep::kNone, 0);
+  partial.partial = true;  // attached inside the step: not judged
+  c.on_step(partial);
   EXPECT_TRUE(sink.calls.empty());
-  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kModified, 4));
+  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kNone, 4));
   ASSERT_EQ(sink.calls.size(), 1u);
   EXPECT_EQ(sink.calls[0].message,
-            "optimizer.step() ran after the gradients of all 2 parameter(s) that got one since "
-            "the previous step had been cleared — zero_grad() is called between backward() and "
-            "step(); call it before backward() (or after step())");
+            "the gradients of all 2 parameter(s) that got one since the previous step were None "
+            "at optimizer.step() — something between backward() and step() clears them (a "
+            "zero_grad() or p.grad = None there?), so the step uses no gradient; clear gradients "
+            "before backward() (or after step())");
   EXPECT_EQ(sink.calls[0].value, 2.0);
   EXPECT_EQ(sink.calls[0].step, 4);
+  EXPECT_FALSE(c.take_probe_request());
+}
+
+// Note [Zero gradients]: all zero and modified in place (clipped, unscaled, or zeroed) is judged
+// by what backward() left, probed after the first such step.
+TEST(StepIntegrityCheck, ZeroGradientsAsBackwardLeftThemAreNotCleared) {
+  FakeSink sink;
+  Options o;
+  StepIntegrityCheck c(sink, o);
+  // A fully masked batch, clipped: unknown at first, so silent and a probe is asked for.
+  StepView masked = cleared_step(GradAtStep::kModified, GradAtStep::kModified, 4);
+  masked.params[0].grad->zero = 4;
+  c.on_step(masked);
+  EXPECT_TRUE(sink.calls.empty());
+  EXPECT_TRUE(c.take_probe_request());
+  EXPECT_FALSE(c.take_probe_request());  // reading resets it
+  // Some set to None, the rest zeroed in place without evidence: not judged either.
+  c.on_step(cleared_step(GradAtStep::kNone, GradAtStep::kModified, 4));
+  EXPECT_TRUE(sink.calls.empty());
+  EXPECT_TRUE(c.take_probe_request());
+  // Probed: backward() left them all zero — legitimately nothing to do; no probe needed.
+  StepView zero = cleared_step(GradAtStep::kModified, GradAtStep::kModified, 4);
+  zero.params[0].grad->zero = 4;
+  zero.params[0].grad_left_nonzero = false;
+  zero.params[1].grad_left_nonzero = false;
+  c.on_step(zero);
+  EXPECT_TRUE(sink.calls.empty());
+  EXPECT_FALSE(c.take_probe_request());
+  // Probed: one of them was nonzero as backward() left it, and zero at the step: cleared.
+  StepView cleared = zero;
+  cleared.params[1].grad_left_nonzero = true;
+  c.on_step(cleared);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].message,
+            "the gradients of all 2 parameter(s) that got one since the previous step were "
+            "nonzero as backward() left them and zero at optimizer.step() — something between "
+            "backward() and step() clears them (a zero_grad() or p.grad = None there?), so the "
+            "step uses no gradient; clear gradients before backward() (or after step())");
+}
+
+// Note [Unchanged tensors]
+StepView unchanged_step(double lr = 0.1) {
+  StepView v;
+  v.step = 7;
+  v.opt = 0;
+  v.params = {param(0, "moved"), param(1, "w")};
+  for (ParamView& p : v.params) {
+    p.eps = 1.1920928955078125e-07;  // float32
+    p.lr = lr;
+    p.grad->absmax = 0.5;
+    p.param.absmax = 1.0;
+  }
+  v.params[0].update = UpdateStats{4, 0.05, 0.05};
+  v.params[1].update = UpdateStats{0, 0.0, 0.0};
+  compute_totals(v);
+  return v;
+}
+
+TEST(StepIntegrityCheck, TensorTheStepLeftUnchanged) {
+  Options o;
+  {
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(unchanged_step());
+    ASSERT_EQ(sink.calls.size(), 1u);
+    EXPECT_EQ(sink.calls[0].kind, Kind::skipped_step);
+    EXPECT_EQ(sink.calls[0].tensor, "w");
+    EXPECT_EQ(sink.calls[0].message,
+              "optimizer.step() changed other parameters but not one element of w, although its "
+              "gradient is nonzero (max |g| 0.5) and its group's learning rate is 0.1 — the "
+              "optimizer (or its kernel) ignores this tensor: check a custom step() for "
+              "parameters it skips, and that the optimizer holds this very tensor (not a copy "
+              "made before the model was moved or rebuilt)");
+    EXPECT_EQ(sink.calls[0].value, 0.5);
+    EXPECT_EQ(sink.calls[0].step, 7);
+  }
+  // Legitimate: each of these leaves w unchanged without a finding.
+  std::vector<std::pair<std::string, StepView>> silent;
+  silent.emplace_back("group lr 0", unchanged_step(0.0));
+  silent.emplace_back("whole step lr 0", unchanged_step());
+  silent.back().second.lr_zero = true;
+  silent.emplace_back("zero gradient (weight decay only)", unchanged_step());
+  silent.back().second.params[1].grad->absmax = 0.0;
+  silent.emplace_back("no gradient", unchanged_step());
+  silent.back().second.params[1].grad.reset();
+  silent.emplace_back("non-finite gradient", unchanged_step());
+  silent.back().second.params[1].grad->nan = 1;
+  silent.emplace_back("frozen", unchanged_step());
+  silent.back().second.params[1].trainable = false;
+  silent.emplace_back("bfloat16 weights", unchanged_step());
+  silent.back().second.params[1].eps = 0.0078125;
+  silent.emplace_back("float16 weights", unchanged_step());
+  silent.back().second.params[1].eps = 0.0009765625;
+  silent.emplace_back("not floating point", unchanged_step());
+  silent.back().second.params[1].eps = 0.0;
+  silent.emplace_back("in no optimizer", unchanged_step());
+  silent.back().second.params[1].opt = -1;
+  silent.emplace_back("another optimizer's", unchanged_step());
+  silent.back().second.params[1].opt = 1;
+  silent.emplace_back("no update statistics this step", unchanged_step());
+  silent.back().second.params[1].update.reset();
+  silent.emplace_back("attached inside the step", unchanged_step());
+  silent.back().second.partial = true;
+  silent.emplace_back("manual", unchanged_step());
+  silent.back().second.manual = true;
+  silent.emplace_back("sparse update (some elements)", unchanged_step());
+  silent.back().second.params[1].update = UpdateStats{1, 0.01, 0.01};
+  // lr * max|g| = 1e-7 * 0.5 below 4 ulp of max|θ| = 1 (4.77e-7): fp32 rounds it away.
+  silent.emplace_back("underflowing update", unchanged_step(1e-7));
+  for (auto& [what, v] : silent) {
+    compute_totals(v);
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(v);
+    EXPECT_EQ(sink.count(Kind::skipped_step, "w"), 0) << what;
+  }
+  // A step that moved nothing at all is the whole-step rule only (a converged LBFGS, a lr that
+  // underflows everywhere), never one finding per tensor.
+  {
+    StepView v = unchanged_step();
+    v.params[0].update = UpdateStats{0, 0.0, 0.0};
+    compute_totals(v);
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(v);
+    ASSERT_EQ(sink.calls.size(), 1u);
+    EXPECT_EQ(sink.calls[0].tensor, "");
+  }
+}
+
+TEST(StepIntegrityCheck, TensorLeftUnchangedThresholdEdges) {
+  Options o;
+  const double eps = 1.1920928955078125e-07;
+  // The predicted move min(largest move, lr * max|g|) against 4 eps max|θ| (= 4 eps here).
+  auto fires = [&](double lr, double largest_move) {
+    StepView v = unchanged_step(lr);
+    v.params[1].grad->absmax = 1.0;
+    v.params[0].update->max = largest_move;
+    compute_totals(v);
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(v);
+    return sink.count(Kind::skipped_step, "w") > 0;
+  };
+  EXPECT_FALSE(fires(4 * eps, 1.0));
+  EXPECT_TRUE(fires(std::nextafter(4 * eps, kInf), 1.0));
+  EXPECT_FALSE(fires(1.0, 4 * eps));  // the step's largest move bounds it (adaptive optimizers)
+  EXPECT_TRUE(fires(1.0, std::nextafter(4 * eps, kInf)));
+  // Unknown learning rate (C++ end_step, a device tensor): estimated from the tensors that
+  // moved, the smallest update.max / max|g|: here 0.05 / 0.5 = 0.1.
+  {
+    StepView v = unchanged_step(kNaN);
+    compute_totals(v);
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(v);
+    ASSERT_EQ(sink.calls.size(), 1u);
+    EXPECT_NE(sink.calls[0].message.find("its group's learning rate is not 0 —"),
+              std::string::npos);
+  }
+  {
+    StepView v = unchanged_step(kNaN);
+    v.params[1].grad->absmax = 1e-6;  // 0.1 * 1e-6 = 1e-7 < 4 eps: would underflow
+    compute_totals(v);
+    FakeSink sink;
+    StepIntegrityCheck c(sink, o);
+    c.on_step(v);
+    EXPECT_TRUE(sink.calls.empty());
+  }
 }
 
 TEST(StepIntegrityCheck, StepThatChangedNothing) {

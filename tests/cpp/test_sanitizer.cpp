@@ -403,6 +403,55 @@ TEST(Sanitizer, OptionsParseClampAndSerialise) {
   EXPECT_TRUE(contains(checks, "\"grad_explosion\":true")) << checks;
 }
 
+// Note [Mode rules] from LibTorch: a backbone run under no_grad in train mode, while a head
+// trains, gets no gradient at its optimizer's step (an error); with a Dropout registered, the
+// train-mode no_grad forward is also a warning at the forward. With grad enabled: nothing.
+TEST(Sanitizer, NoGradLeakFromLibTorch) {
+  for (const bool leak : {true, false}) {
+    torch::manual_seed(0);
+    Net backbone;
+    auto head = torch::nn::Linear(3, 3);
+    torch::optim::SGD opt_b(backbone.parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_h(head->parameters(), torch::optim::SGDOptions(0.1));
+    trainsan::Setup setup;
+    setup.mode_modules = {{"drop", "Dropout"}};
+    std::vector<trainsan::Parameter> ps;
+    for (auto& p : backbone.named_parameters()) ps.push_back({p.key(), p.value(), 0});
+    trainsan::Sanitizer san(std::move(ps), record(), setup);
+    for (int i = 0; i < 3; ++i) {
+      const Batch b = batch(i);
+      opt_b.zero_grad();
+      opt_h.zero_grad();
+      torch::Tensor f;
+      {
+        const torch::NoGradGuard no_grad;
+        if (!leak) at::GradMode::set_enabled(true);
+        san.forward({true, {b.x}, {false}});
+        f = backbone.forward(b.x);
+      }
+      auto loss = torch::nn::functional::cross_entropy(head->forward(f), b.y);
+      loss.backward();
+      opt_b.step();
+      opt_h.step();
+      san.end_step();
+    }
+    san.close();
+    const auto ngl = of_kind(san.findings(), "no_grad_leak");
+    if (!leak) {
+      EXPECT_TRUE(ngl.empty());
+      continue;
+    }
+    ASSERT_EQ(ngl.size(), 2u);
+    EXPECT_EQ(ngl[0].tensor, "drop");
+    EXPECT_EQ(ngl[0].severity, "warning");
+    EXPECT_EQ(ngl[1].tensor, "");
+    EXPECT_EQ(ngl[1].severity, "error");
+    EXPECT_EQ(ngl[1].step, 0);
+    EXPECT_EQ(ngl[1].count, 3);
+    EXPECT_TRUE(contains(ngl[1].message, "none of its 4 trainable parameter(s)")) << ngl[1].message;
+  }
+}
+
 TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
   using trainsan::Action;
   const std::map<std::string, std::set<std::tuple<std::string, std::string, Action>>> expected = {
@@ -425,11 +474,12 @@ TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
       got.emplace_back(f.kind, f.severity, a);
     };
     trainsan::Sanitizer san(params_of(net), o, setup);
-    const Batch b = batch(0);
-    // The same batch every step (duplicate_batch) and no zero_grad (stale_grad): nothing
-    // throws, even under "raise", because the callback takes the answers.
+    // Batches 0, 1, 2 and then 2 again (the data stops advancing: duplicate_batch) and no
+    // zero_grad (stale_grad): nothing throws, even under "raise", because the callback takes the
+    // answers.
     EXPECT_NO_THROW({
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 5; ++i) {
+        const Batch b = batch(std::min(i, 2));
         san.begin_step({b.x, b.y});
         auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
         san.watch_loss(loss);
@@ -447,9 +497,66 @@ TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
   }
 }
 
+// A tensor the step left unchanged (Note [Unchanged tensors]), from LibTorch: named per tensor;
+// its group's learning rate of 0 (step_end's group_lr) silences it.
+TEST(Sanitizer, TensorTheStepLeftUnchangedFromLibTorch) {
+  for (const double bias_lr : {0.1, 0.0}) {
+    torch::manual_seed(0);
+    Net net;
+    std::vector<trainsan::Parameter> params;
+    for (auto& p : net.named_parameters()) {
+      const bool bias = p.key() == "fc2.bias";
+      params.push_back({p.key(), p.value(), 0, bias ? 1 : 0});
+    }
+    trainsan::Sanitizer san(std::move(params), record(), trainsan::Setup{});
+    for (int i = 0; i < 3; ++i) {
+      const Batch b = batch(i);
+      for (auto& p : net.parameters()) p.mutable_grad() = torch::Tensor();
+      san.begin_step({b.x});
+      torch::nn::functional::cross_entropy(net.forward(b.x), b.y).backward();
+      {
+        torch::NoGradGuard no_grad;  // a hand-written step that forgets fc2.bias
+        for (auto& p : net.named_parameters()) {
+          if (p.key() != "fc2.bias") p.value().sub_(p.value().grad() * 0.1);
+        }
+      }
+      san.step_end(0, false, {0.1, bias_lr});
+    }
+    std::vector<std::string> named;
+    for (const auto& f : san.findings()) {
+      if (f.kind == "skipped_step") named.push_back(f.tensor);
+    }
+    if (bias_lr > 0) {
+      EXPECT_EQ(named, std::vector<std::string>{"fc2.bias"});
+    } else {
+      EXPECT_TRUE(named.empty());
+    }
+  }
+}
+
+// Attached inside a step (step_in_flight): the closure's remaining forwards and backwards are
+// part of it, and the step it ends is not judged.
+TEST(Sanitizer, StepInFlightAtAttach) {
+  torch::manual_seed(0);
+  Net net;
+  trainsan::Options o = record();
+  o.max_accumulation = 1;
+  trainsan::Sanitizer san(net.named_parameters(), o);
+  san.step_in_flight(0);
+  for (int i = 0; i < 4; ++i) {  // closure evaluations: zero, forward, backward
+    const Batch b = batch(i);
+    for (auto& p : net.parameters()) p.mutable_grad() = torch::Tensor();
+    san.forward({true, {b.x}, {}});
+    torch::nn::functional::cross_entropy(net.forward(b.x), b.y).backward();
+  }
+  san.step_end(0, false);  // no parameter changed: a partial step is not judged
+  EXPECT_TRUE(san.findings().empty()) << san.findings().front().message;
+  EXPECT_EQ(san.step(), 1);
+}
+
 TEST(Kinds, TableIsConsistent) {
   const auto& ks = trainsan::kinds();
-  ASSERT_EQ(ks.size(), 19u);  // the implemented kinds of DESIGN.md
+  ASSERT_EQ(ks.size(), 23u);  // the implemented kinds of DESIGN.md
   std::set<std::string> names;
   for (size_t i = 0; i < ks.size(); ++i) {
     const trainsan::KindInfo& k = ks[i];

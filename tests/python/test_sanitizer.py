@@ -269,8 +269,9 @@ def test_warnings_do_not_raise_under_raise_policy():
     with trainsan.attach(model, opt, policy="raise") as san:
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
-            for i in range(4):
-                x, _ = _batch(0)  # the same batch every step: a warning, not an error
+            for i in range(5):
+                # batches 0, 1, 2, then 2 again (the data stops advancing): a warning, not an error
+                x, _ = _batch(min(i, 2))
                 y = torch.zeros(16, dtype=torch.long)
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()

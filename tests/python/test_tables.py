@@ -29,6 +29,10 @@ IMPLEMENTED = {
     "batch_mismatch": "error",
     "duplicate_batch": "warning",
     "fp16_overflow": "warning",
+    "inplace_before_backward": "error",
+    "bad_custom_grad": "error",
+    "loss_spike": "warning",
+    "trivial_loss": "warning",
 }
 UNIMPLEMENTED = ["rank_desync", "nondeterminism", "amp_scale_collapse", "bad_checkpoint"]
 
@@ -107,7 +111,7 @@ def test_unknown_check_is_rejected_by_cpp_too():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="unknown check 'rank_desync'"):
         torch.classes.trainsan.Sanitizer(
-            ["p"], [p], [0], {"check.rank_desync": "true"}, "", [], [], [], False
+            ["p"], [p], [0], {"check.rank_desync": "true"}, "", [], [], [], False, [0], [], [], []
         )
 
 

@@ -31,6 +31,10 @@ REQUIRED_KINDS = [
     "no_grad_leak",
     "eval_mode",
     "duplicate_batch",
+    "loss_spike",
+    "trivial_loss",
+    "inplace_before_backward",
+    "bad_custom_grad",
 ]
 
 ZOO_TIME_LIMIT_S = 180.0

@@ -785,6 +785,72 @@ def _ss_zero_between_inplace(ctx):
         opt.step()
 
 
+class _SkipVectorsSGD(torch.optim.SGD):
+    """A hand-written SGD whose step was meant to exempt 1-d tensors (biases, norms) from weight
+    decay, and exempts them from the update instead."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.ndim == 1:  # bug: `continue` skips the update itself
+                    continue
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@case("skipped_step/custom_optimizer_skips_biases_mlp", "skipped_step", 0, "mlp",
+      "custom SGD", "a custom optimizer's step() skips every 1-d tensor (meant: no weight decay "
+      "on biases); the biases never train although the other weights do")
+def _ss_skips_biases(ctx):
+    model = make_mlp()
+    opt = _SkipVectorsSGD(model.parameters(), lr=0.05)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+class _OffByOneAdam(torch.optim.Optimizer):
+    """A hand-written Adam whose loop over a group stops one tensor short."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = group["params"]
+            for i in range(len(ps) - 1):  # bug: range(len(ps))
+                p = ps[i]
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["t"], st["m"], st["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                st["t"] += 1
+                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                st["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                mh = st["m"] / (1 - 0.9 ** st["t"])
+                vh = st["v"] / (1 - 0.999 ** st["t"])
+                p.addcdiv_(mh, vh.sqrt().add_(1e-8), value=-group["lr"])
+
+
+@case("skipped_step/off_by_one_custom_adam_cnn", "skipped_step", 0, "cnn", "custom Adam",
+      "a custom Adam's loop over each group's params stops one short: the classifier head's "
+      "bias never changes, silently")
+def _ss_off_by_one(ctx):
+    model = SmallCNN()
+    opt = _OffByOneAdam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = image_batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 # --- param_not_in_optimizer -------------------------------------------------------------------
 
 
@@ -1049,17 +1115,275 @@ def _db_next_iter(ctx):
         opt.step()
 
 
-@case("duplicate_batch/reused_tensor_gru", "duplicate_batch", 1, "gru", "Adam",
-      "the batch is built once before the loop and the same tensor is fed at every step")
-def _db_reused(ctx):
-    model = GRUClassifier()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    san = ctx.attach(model, opt)
-    t, y = token_batch()  # bug: outside the loop
-    for step in range(STEPS):
+# (duplicate_batch/reused_tensor_gru, one batch fed at every step from step 0, is full-batch
+# training: it moved to zoo_mode.py as clean/full_batch_reused_tensor_gru.)
+
+
+# --- loss_spike and trivial_loss (no watch_loss: the backward's root is the loss) ---------------
+# Their clean look-alikes are here too; tests/python/test_loss.py checks that every clean loop of
+# the zoo is silent on these two kinds.
+
+
+@case("loss_spike/target_units_mlp", "loss_spike", 15, "mlp", "SGD",
+      "one shard of the data has its targets in centimetres instead of metres: the batch of "
+      "step 15 has targets 100x too large and its loss jumps ~1e4x (finite, so no NaN check sees "
+      "it)")
+def _ls_target_units(ctx):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.attach(model, opt)
+    for step in range(20):
+        x, y = regression_batch()
+        if step == 15:
+            y = y * 100.0
         opt.zero_grad()
-        loss = san.watch_loss(F.cross_entropy(model(t), y))
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@case("loss_spike/lr_multiplier_cnn", "loss_spike", 14, "cnn", "SGD+momentum",
+      "a hand-written schedule multiplies the learning rate by 300 at step 14 instead of 0.3; the "
+      "loss of the next batch jumps far above its running level")
+def _ls_lr_multiplier(ctx):
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    ctx.attach(model, opt)
+    for step in range(20):
+        if step == 14:
+            for g in opt.param_groups:
+                g["lr"] *= 300  # bug: meant 0.3
+        x, y = image_batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@case("trivial_loss/pred_vs_pred_autoencoder_mlp", "trivial_loss", 0, "mlp", "Adam",
+      "an autoencoder's loss compares the reconstruction with itself (mse_loss(recon, recon), a "
+      "swapped variable) instead of with the input: the loss is exactly 0 from the first step")
+def _tl_pred_vs_pred(ctx):
+    model = make_mlp(din=8, dh=4, dout=8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, _ = regression_batch()
+        opt.zero_grad()
+        recon = model(x)
+        F.mse_loss(recon, recon).backward()  # bug: the target should be x
+        opt.step()
+
+
+@case("trivial_loss/all_labels_ignored_transformer", "trivial_loss", 0, "transformer", "AdamW",
+      "the padding mask is built from the wrong tensor and marks every label as ignore_index; "
+      "with reduction='sum' the loss is exactly 0 and nothing trains")
+def _tl_all_ignored(ctx):
+    model = TinyTransformer(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = token_batch()
+        pad = torch.ones_like(y, dtype=torch.bool)  # bug: should be t[:, 0] == PAD
+        y = y.masked_fill(pad, -100)
+        opt.zero_grad()
+        F.cross_entropy(model(t), y, ignore_index=-100, reduction="sum").backward()
+        opt.step()
+
+
+@case("clean/noisy_small_batch_sgd_gru", None, None, "gru", "SGD",
+      "batches of 2 sequences: the loss jumps between near 0 and several times its median from "
+      "one batch to the next (ordinary minibatch noise, not a spike)")
+def _c_noisy_small_batch(ctx):
+    model = GRUClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ctx.attach(model, opt)
+    for step in range(60):
+        t, y = token_batch(n=2)
+        opt.zero_grad()
+        F.cross_entropy(model(t), y).backward()
+        opt.step()
+
+
+@case("clean/cosine_warm_restarts_mlp", None, None, "mlp", "Adam + CosineAnnealingWarmRestarts",
+      "the learning rate restarts at its maximum every 8 steps (SGDR); the loss rises after "
+      "each restart, a schedule's doing, not a spike")
+def _c_warm_restarts(ctx):
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=8)
+    ctx.attach(model, opt)
+    for step in range(48):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+@case("clean/easy_task_low_loss_late_mlp", None, None, "mlp", "Adam",
+      "a noiseless linear target a small net fits exactly: the loss falls by orders of magnitude, "
+      "but over tens of steps, not within the first few")
+def _c_easy_late(ctx):
+    model = nn.Linear(8, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    ctx.attach(model, opt)
+    w = torch.randn(8, 1)
+    for step in range(80):
+        x = torch.randn(32, 8)
+        opt.zero_grad()
+        F.mse_loss(model(x), x @ w).backward()
+        opt.step()
+
+
+@case("clean/finetune_converged_cnn", None, None, "cnn", "SGD+momentum",
+      "fine-tuning a model that already fits its task (trained before attach): the loss is small "
+      "from the first watched step and stays there")
+def _c_finetune_converged(ctx):
+    model = SmallCNN(classes=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def batch():
+        x = torch.randn(16, 1, 8, 8)
+        return x, (x.mean((1, 2, 3)) > 0).long()
+
+    for _ in range(150):  # pre-training, before the sanitizer
+        x, y = batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+# --- inplace_before_backward and bad_custom_grad (the autograd family) ------------------------
+
+
+@case("inplace_before_backward/weight_clip_before_backward_mlp", "inplace_before_backward", 0,
+      "mlp", "RMSprop",
+      "WGAN-style weight clipping (p.data.clamp_) placed between the loss and loss.backward(): "
+      "the backward multiplies by the clipped weights, not the ones the forward used")
+def _ib_clip_before_backward(ctx):
+    model = make_mlp(dh=32)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        for p in model.parameters():
+            p.data.clamp_(-0.05, 0.05)  # bug: belongs after opt.step()
         loss.backward()
+        opt.step()
+
+
+@case("inplace_before_backward/weight_standardise_after_forward_cnn", "inplace_before_backward",
+      0, "cnn", "Adam",
+      "the conv weights are standardised through .data after the forward instead of before it: "
+      "the gradient is computed with weights the forward never saw")
+def _ib_standardise_after_forward(ctx):
+    model = SmallCNN()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = image_batch()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        w = model.conv2.weight.data
+        w.sub_(w.mean()).div_(w.std() + 1e-5)  # bug: must happen before model(x)
+        loss.backward()
+        opt.step()
+
+
+class _Swish(torch.autograd.Function):
+    """x * sigmoid(x) with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+class _SwishMissingTerm(_Swish):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(x)  # bug: the x·σ'(x) term is missing
+
+
+class _SwishMLP(nn.Module):
+    def __init__(self, fn, din=8, dh=16):
+        super().__init__()
+        self.fc1, self.fc2, self.fn = nn.Linear(din, dh), nn.Linear(dh, 1), fn
+
+    def forward(self, x):
+        return self.fc2(self.fn.apply(self.fc1(x)))
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x Wᵀ with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+class _LinearFnTransposed(_LinearFn):
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, x.t() @ g  # bug: the weight gradient is transposed (square: no shape error)
+
+
+class _CustomLinearCNN(SmallCNN):
+    def __init__(self, fn):
+        super().__init__(classes=3)
+        self.mix = nn.Parameter(torch.eye(8) + 0.1 * torch.randn(8, 8))
+        self.fn = fn
+
+    def forward(self, x):
+        return self.head(self.fn.apply(self.features(x), self.mix))
+
+
+@case("bad_custom_grad/swish_missing_term_mlp", "bad_custom_grad", 0, "mlp", "Adam",
+      "a custom Swish autograd.Function whose backward forgets the x·σ'(x) term "
+      "(gradcheck_every=1)")
+def _bcg_swish(ctx):
+    model = _SwishMLP(_SwishMissingTerm)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt, gradcheck_every=1)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@case("bad_custom_grad/transposed_weight_grad_cnn", "bad_custom_grad", 0, "cnn", "SGD",
+      "a custom linear Function on a square weight returns the transposed weight gradient "
+      "(shapes agree, so autograd cannot tell) (gradcheck_every=2)")
+def _bcg_transposed(ctx):
+    model = _CustomLinearCNN(_LinearFnTransposed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.attach(model, opt, gradcheck_every=2)
+    for step in range(STEPS):
+        x, y = image_batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
 
 
@@ -1444,6 +1768,142 @@ def _c_lbfgs(ctx):
         san.watch_loss(opt.step(closure))
 
 
+def _masked_token_loss(logits, y, ignore_index=-100):
+    """Cross-entropy summed over the labelled tokens / their count (at least 1), as masked-LM
+    trainers compute it: exactly 0, with all-zero gradients, for a batch with no label."""
+    per = F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="none")
+    n = (y != ignore_index).sum().clamp(min=1)
+    return per.sum() / n
+
+
+@case("clean/all_labels_ignored_batch_clipped_transformer", None, None, "transformer",
+      "AdamW + clip_grad_norm_",
+      "one batch in ten has every label set to ignore_index (all padding): its gradients are all "
+      "exactly zero, the trainer still clips them in place, and the step changes nothing")
+def _c_all_ignored_clipped(ctx):
+    model = TinyTransformer(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = token_batch()
+        if step == 3:
+            y = torch.full_like(y, -100)
+        opt.zero_grad()
+        _masked_token_loss(model(t), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+@case("clean/fully_masked_batches_clipped_in_place_gru", None, None, "gru",
+      "SGD + zero_grad(set_to_none=False) + clip_grad_value_",
+      "two fully masked batches in a row (steps 4 and 5): all-zero gradients, zeroed in place "
+      "before each backward and clipped in place after it, and SGD without momentum changes "
+      "nothing")
+def _c_fully_masked_gru(ctx):
+    model = GRUClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = token_batch()
+        mask = torch.ones_like(y, dtype=torch.float32)
+        if step in (4, 5):
+            mask.zero_()
+        opt.zero_grad(set_to_none=False)
+        per = F.cross_entropy(model(t), y, reduction="none")
+        ((per * mask).sum() / mask.sum().clamp(min=1)).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)
+        opt.step()
+
+
+@case("clean/param_group_lr_zero_cnn", None, None, "cnn", "SGD, backbone group lr=0",
+      "discriminative fine-tuning: the backbone's param group has lr 0 (frozen by its learning "
+      "rate, gradients still computed), the head's group trains")
+def _c_group_lr_zero(ctx):
+    model = SmallCNN()
+    head = list(model.head.parameters())
+    backbone = [p for n, p in model.named_parameters() if not n.startswith("head.")]
+    opt = torch.optim.SGD([{"params": backbone, "lr": 0.0}, {"params": head, "lr": 0.05}])
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = image_batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@case("clean/zero_grad_tensor_weight_decay_mlp", None, None, "mlp", "SGD(weight_decay)",
+      "a gate multiplies one layer's output by 0 for the first steps: its gradient is exactly "
+      "zero and only weight decay moves it (or nothing, in the group without decay)")
+def _c_zero_grad_wd(ctx):
+    model = make_mlp()
+    gate = {"on": 0.0}
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+            self.side = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.net(x) + gate["on"] * self.side(x)
+
+    m = Gated()
+    opt = torch.optim.SGD(
+        [{"params": m.net.parameters()},
+         {"params": [m.side.weight], "weight_decay": 0.01},
+         {"params": [m.side.bias], "weight_decay": 0.0}], lr=0.05)
+    ctx.attach(m, opt)
+    for step in range(STEPS):
+        gate["on"] = 1.0 if step >= 6 else 0.0
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+
+
+@case("clean/attach_inside_lbfgs_closure_mlp", None, None, "mlp", "LBFGS",
+      "the sanitizer is attached by a callback that runs inside the first optimizer.step(closure) "
+      "(as a launcher or a trainer hook may): the rest of that step's closure evaluations are "
+      "part of the step")
+def _c_attach_in_closure(ctx):
+    model = make_mlp(act=nn.Tanh)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=6, history_size=5)
+    calls = {"n": 0}
+    for step in range(6):
+        x, y = regression_batch(n=32)
+
+        def closure():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                ctx.attach(model, opt)  # a callback attaching mid-step
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+@case("clean/attach_inside_sgd_closure_cnn", None, None, "cnn", "SGD(closure)",
+      "attached from inside the closure of the first optimizer.step(closure), between its "
+      "backward and the update (a trainer hook): that step's post-hook comes without a pre-hook")
+def _c_attach_in_sgd_closure(ctx):
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        x, y = image_batch()
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if step == 0:
+                ctx.attach(model, opt)
+            return loss
+
+        opt.step(closure)
+
+
 @case("clean/manual_update_no_optimizer_mlp", None, None, "mlp", "manual SGD",
       "no optimizer: `p -= lr * p.grad` under no_grad, then model.zero_grad() (attach(model))")
 def _c_manual(ctx):
@@ -1474,9 +1934,106 @@ def _c_manual_zero(ctx):
                 p.grad.zero_()
 
 
+@case("clean/weight_clip_after_step_mlp", None, None, "mlp", "RMSprop",
+      "WGAN-style weight clipping through p.data.clamp_ after optimizer.step(), where it belongs")
+def _c_clip_after_step(ctx):
+    model = make_mlp(dh=32)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        for p in model.parameters():
+            p.data.clamp_(-0.05, 0.05)
+
+
+@case("clean/weight_standardise_before_forward_bn_cnn", None, None, "cnn", "Adam",
+      "conv weights standardised through .data before each forward, and a batch-norm model run "
+      "twice (two batches, one backward): its running statistics change between forward and "
+      "backward, as they should")
+def _c_standardise_before_forward(ctx):
+    model = SmallCNN(bn=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        (x1, y1), (x2, y2) = image_batch(), image_batch()
+        w = model.conv2.weight.data
+        w.sub_(w.mean()).div_(w.std() + 1e-5)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x1), y1) + F.cross_entropy(model(x2), y2)
+        loss.backward()
+        opt.step()
+
+
+class _CustomDropout(torch.autograd.Function):
+    """Inverted dropout with a hand-written backward: random, yet exact under one draw."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        mask = (torch.rand_like(x) >= p).to(x.dtype) / (1 - p)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask, None
+
+
+class _CustomReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x > 0).to(g.dtype)
+
+
+class _CustomFnGRU(GRUClassifier):
+    def forward(self, tokens):
+        _, h = self.rnn(self.emb(tokens))
+        h = _CustomReLU.apply(torch.relu(h[-1]))  # many inputs exactly at the kink 0
+        return self.head(_CustomDropout.apply(h, 0.2))
+
+
+@case("clean/custom_swish_mlp", None, None, "mlp", "Adam",
+      "a custom Swish autograd.Function with a correct backward (gradcheck_every=1)")
+def _c_custom_swish(ctx):
+    model = _SwishMLP(_Swish)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt, gradcheck_every=1)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@case("clean/custom_dropout_relu_linear_gru", None, None, "gru", "SGD+momentum",
+      "correct custom Functions that a naive gradcheck gets wrong: a random one (custom dropout), "
+      "one evaluated at its kink (a custom ReLU after a ReLU), a custom linear on a square weight "
+      "(gradcheck_every=1)")
+def _c_custom_functions(ctx):
+    model = _CustomFnGRU()
+    model.mix = nn.Parameter(torch.eye(3) + 0.1 * torch.randn(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ctx.attach(model, opt, gradcheck_every=1)
+    for step in range(STEPS):
+        t, y = token_batch()
+        opt.zero_grad()
+        F.cross_entropy(_LinearFn.apply(model(t), model.mix), y).backward()
+        opt.step()
+
+
 # The op-audit cases (broadcast, label_range, batch_mismatch) live in their own module, which
 # registers them with @case; it imports this (partly initialised) module for the helpers above.
 import zoo_audit  # noqa: E402,F401
+import zoo_mode  # noqa: E402,F401  (no_grad_leak, eval_mode, duplicate_batch: Note [Mode rules])
 
 BUGGY = [c for c in CASES if not c.clean]
 CLEAN = [c for c in CASES if c.clean]

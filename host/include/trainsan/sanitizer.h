@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/autograd_facts.h"
+#include "trainsan/coverage.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
@@ -25,18 +27,29 @@ struct Parameter {
   std::string name;
   at::Tensor tensor;
   int64_t optimizer = 0;  ///< index of its optimizer; -1 when it is in none
+  int64_t group = 0;      ///< index of its param group in that optimizer (step_end's group_lr)
 };
 
-/// A module named in findings (eval_mode, nonfinite_activation).
+/// A module named in findings (eval_mode, nonfinite_activation, no_grad_leak).
 struct ModuleInfo {
   std::string name;
   std::string type;  ///< e.g. "Dropout"; may be empty
+  /// Setup::mode_modules only: indices (into the parameter list) of the parameters whose training
+  /// makes this module's eval mode matter (eval_mode) — its own, or for a parameterless module
+  /// (Dropout) those of its nearest ancestor with parameters. Empty: every parameter.
+  std::vector<int64_t> params = {};
+  /// Setup::mode_modules only: its forward depends on train/eval (Dropout, BatchNorm tracking
+  /// running statistics, RNN dropout), so a no_grad forward in train mode runs it as in training
+  /// (a no_grad_leak warning). False for a module registered only because it has parameters.
+  bool mode_dependent = true;
 };
 
 /// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
 struct Setup {
-  /// Modules whose forward depends on train/eval (Dropout, BatchNorm, ...), registered once;
-  /// ForwardFacts::module_eval says which of them are in eval mode at each forward.
+  /// Modules whose train/eval mode matters, registered once (Note [Mode rules]): those whose
+  /// forward depends on it (Dropout, BatchNorm, ...) and those with parameters (a module in eval
+  /// mode whose parameters train: eval_mode); ForwardFacts::module_eval says which of them are in
+  /// eval mode at each forward.
   std::vector<ModuleInfo> mode_modules;
   /// No optimizer: parameters are updated by hand and steps are delimited by training forwards.
   bool manual = false;
@@ -55,6 +68,9 @@ struct ForwardFacts {
   bool training = true;            ///< the model's train/eval flag
   std::vector<at::Tensor> inputs;  ///< the forward's tensor inputs (duplicate_batch)
   std::vector<bool> module_eval;   ///< per Setup::mode_modules: true when in eval mode
+  /// How many times so far a data loader was iterated anew after its previous iterator had
+  /// yielded only its first batch of several (duplicate_batch; the Python package counts them).
+  int64_t data_restarts = 0;
 };
 
 namespace host {
@@ -107,7 +123,13 @@ class Sanitizer {
   void step_begin(int64_t opt);
   /// Optimizer `opt` has stepped: the fused pass over its gradients, parameters and snapshot,
   /// then the checks (Note [Lagged checks]: on a GPU, of the previous step unless sync).
-  void step_end(int64_t opt, bool lr_zero);
+  /// `group_lr`: the learning rate of each of its param groups (Parameter::group), NaN where
+  /// unknown; empty: unknown, taken as nonzero unless `lr_zero`.
+  void step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr = {});
+  /// The sanitizer was attached inside optimizer `opt`'s step (a callback inside
+  /// `step(closure)`): instead of step_begin. What remains of that step (closure forwards and
+  /// backwards) is part of it, and its step_end is not judged by the step-level rules.
+  void step_in_flight(int64_t opt);
   /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients.
   void amp_skip(int64_t opt);
   /// Outputs of a module (nonfinite_activation, opt-in); reads them at once.
@@ -116,6 +138,17 @@ class Sanitizer {
   /// undefined (one_hot); num_classes < 0 takes the class count from `input`.
   void check_target(const std::string& op, const at::Tensor& input, const at::Tensor& target,
                     std::optional<int64_t> ignore_index, int64_t num_classes);
+  /// A tensor saved for backward changed without its version counter moving
+  /// (inplace_before_backward); the caller's saved-tensor hooks compared the two.
+  void saved_tensor_changed(const SavedTensorChange& change);
+  /// A directional finite-difference check of a custom autograd Function (bad_custom_grad).
+  void custom_grad_result(const CustomGradResult& result);
+  /// Whether the current step's training forward gets the saved-tensor check
+  /// (inplace_before_backward on, a sampled step of the op audit's schedule, not inside an
+  /// optimizer step's closure).
+  bool inplace_check_step() const;
+  /// Whether custom Functions are checked at the current step (bad_custom_grad, gradcheck_every).
+  bool gradcheck_step() const;
   /// Time spent for this sanitizer outside C++ (e.g. in Python hooks), for the overhead figures.
   void add_overhead(double seconds);
   /// Flush pending checks, write the trace summary, remove every hook. Idempotent.
@@ -130,6 +163,8 @@ class Sanitizer {
   bool hooks_installed() const;
   /// True while the op audit observes this step's forward.
   bool auditing() const;
+  /// What was checked so far, and which enabled checks never had what they need.
+  Coverage coverage() const;
 
  private:
   template <typename OrderedDict>

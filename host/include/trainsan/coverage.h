@@ -1,0 +1,27 @@
+// Coverage: what a sanitizer saw and checked. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainsan {
+
+/// What a sanitizer saw and checked, so that a clean run means "checked and clean", never "saw
+/// nothing" (Sanitizer::coverage, the trace's summary record, Python's summary()).
+struct Coverage {
+  int64_t steps_checked = 0;         ///< step passes whose checks ran
+  int64_t update_steps = 0;          ///< of those, with update statistics (Note [Overhead budget])
+  int64_t update_period = 1;         ///< current sampling period of the update statistics
+  int64_t training_forwards = 0;     ///< forwards with grad mode on in train mode
+  int64_t other_forwards = 0;        ///< forwards under no_grad or in eval mode
+  int64_t losses_checked = 0;        ///< watched losses read back and checked
+  int64_t inputs_fingerprinted = 0;  ///< steps whose training inputs were fingerprinted
+  int64_t audited_forwards = 0;      ///< training forwards the op audit observed
+  int64_t ops_audited = 0;           ///< ops the audit rules looked at
+  /// Enabled kinds that never had what they need, with the reason.
+  std::vector<std::pair<std::string, std::string>> unchecked;
+};
+
+}  // namespace trainsan

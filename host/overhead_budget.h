@@ -1,0 +1,51 @@
+// The overhead budget (option overhead_budget): how often the expensive part of the step pass,
+// the update statistics against a parameter snapshot, runs (Note [Overhead budget]). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+namespace trainsan::host {
+
+// Note [Overhead budget]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Every step gets the essentials: the gradient hooks and one fused pass over the stepping
+// optimizer's gradients and parameters (non-finite counts, norms, zeros: every check but the
+// update ones). The update statistics (||dtheta||, changed elements) need a snapshot of the
+// parameters written at the end of the previous step and read at this one, which doubles the
+// pass's memory traffic. With a budget b (a fraction of the step time without TrainSan), the
+// first `warmup` steps all get update statistics; after that a step s gets them when
+// s % period == 0, and the step before it writes the snapshot. The period is the smallest that
+// keeps TrainSan's measured time per step within b, from running averages of the step interval,
+// of TrainSan's time on steps without a snapshot (the base) and of the extra time of snapshot
+// steps: base + extra * min(1, 2 / period) <= b * (interval - own). Where the base alone exceeds
+// the budget the period is kMaxPeriod: the essentials are never sampled. The period depends on
+// measured times, so which steps carry update statistics varies from run to run; each step record
+// says whether it did, and the trace summary gives the period. A budget <= 0 means no budget:
+// update statistics at every step (as does update_outside_step, which compares against the
+// snapshot at every step begin).
+class OverheadBudget {
+ public:
+  static constexpr int64_t kMaxPeriod = 50;
+  static constexpr int64_t kFirstPeriod = 10;  // until the base cost has been measured
+
+  OverheadBudget(double budget, int64_t warmup) : budget_(budget), warmup_(warmup) {}
+
+  /// Whether step `step` (of its optimizer) gets update statistics.
+  bool update_due(int64_t step) const {
+    return budget_ <= 0.0 || step < warmup_ || step % period_ == 0;
+  }
+  /// One step end: the wall time since the previous step end, TrainSan's own time in it, and
+  /// whether its pass wrote a snapshot.
+  void observe(double interval_s, double own_s, bool snapshot);
+  int64_t period() const { return budget_ <= 0.0 ? 1 : period_; }
+  double budget() const { return budget_; }
+
+ private:
+  double budget_;
+  int64_t warmup_;
+  int64_t period_ = kFirstPeriod;
+  double interval_ = 0.0, own_ = 0.0, base_ = 0.0, snap_ = 0.0;  // running averages (s)
+  bool have_base_ = false, have_snap_ = false, have_interval_ = false, have_own_ = false;
+};
+
+}  // namespace trainsan::host
