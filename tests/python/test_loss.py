@@ -1,4 +1,4 @@
-"""The loss without watch_loss (Note [Loss roots], bindings/trainsan/sanitizer.py) and the loss
+"""The loss without watch_loss (Note [Loss roots], bindings/trainsan/_patches.py) and the loss
 family (loss_spike, trivial_loss): the root of a training backward is watched automatically,
 once per step, attributed to the right sanitizer, unscaled under a GradScaler; the clean loops
 of the zoo stay silent on the loss kinds."""

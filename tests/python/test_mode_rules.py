@@ -90,7 +90,7 @@ def test_training_forward_under_no_grad_raises_at_the_step():
 def test_dataloader_bookkeeping_only_while_open():
     import gc
 
-    from trainsan import sanitizer as sanmod
+    from trainsan import _patches as sanmod
 
     gc.collect()  # sanitizers an earlier failing test left unclosed
     users0 = sanmod._loader_patch["users"]

@@ -1,0 +1,140 @@
+"""Facts the Python hooks gather for the C++ sanitizer: the model's mode-dependent modules and the
+parameters they own, a forward's tensor inputs, per-group learning rates, steps in flight, the
+trace header's provenance, and the source frames to skip. No rule lives here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+def _mode_dependent(m: torch.nn.Module) -> bool:
+    """Whether m's forward behaves differently in train and eval mode (as far as its class says)."""
+    if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+        return m.p > 0
+    if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm,
+                      torch.nn.modules.instancenorm._InstanceNorm)):
+        return bool(m.track_running_stats)
+    if isinstance(m, torch.nn.RNNBase):
+        return m.dropout > 0 and m.num_layers > 1
+    if isinstance(m, torch.nn.MultiheadAttention):
+        return m.dropout > 0
+    return False
+
+
+def _mode_modules(model: torch.nn.Module, index: dict) -> list:
+    """The modules whose mode the C++ rules judge, registered once: (name, module, owned parameter
+    indices, mode-dependent). A module with parameters owns its own; a parameterless
+    mode-dependent one (Dropout) those of its nearest ancestor with parameters. The root is not
+    listed: its train flag comes with every forward."""
+    mods = dict(model.named_modules())
+    out = []
+    for name, m in mods.items():
+        if not name:
+            continue
+        own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+        dep = _mode_dependent(m)
+        if not own and dep:
+            anc = name  # itself (recursively), then its ancestors up to the root
+            while True:
+                own = [index[id(p)] for p in mods[anc].parameters() if id(p) in index]
+                if own or not anc:
+                    break
+                anc = anc.rpartition(".")[0]
+        if own or dep:
+            out.append((name, m, own, dep))
+    return out
+
+
+def _flat_tensors(obj: Any, out: list, depth: int = 0) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 2 and isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flat_tensors(o, out, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for o in obj.values():
+            _flat_tensors(o, out, depth + 1)
+    return out
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, check=False
+        )
+        return r.stdout.strip() or None if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _header_extra(model: torch.nn.Module) -> str:
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = str(dev)
+    if dev.type == "cuda":
+        device += " (" + torch.cuda.get_device_name(dev) + ")"
+    fields = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "device": device,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "seed": torch.initial_seed(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "git_commit": _git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return json.dumps(fields)[1:-1]
+
+
+def _group_lrs(opt: torch.optim.Optimizer) -> list:
+    """The learning rate of each param group; NaN where unknown (none, or a tensor on a device:
+    reading it would synchronise). An unknown rate counts as nonzero."""
+    out = []
+    for g in opt.param_groups:
+        lr = g.get("lr", None)
+        if isinstance(lr, torch.Tensor):
+            lr = float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
+        try:
+            out.append(math.nan if lr is None else float(lr))
+        except (TypeError, ValueError):
+            out.append(math.nan)
+    return out
+
+
+def _steps_in_flight(optimizers: Sequence[torch.optim.Optimizer]) -> list:
+    """The optimizers whose step() is running on this thread's stack (attach() called from inside
+    a step, e.g. from a closure or a callback a trainer runs there): their indices."""
+    found = []
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name in ("step", "wrapper"):
+            me = f.f_locals.get("self")
+            for k, opt in enumerate(optimizers):
+                if me is opt and k not in found:
+                    found.append(k)
+        f = f.f_back
+    return found
+
+
+
+
+def _skip_frames() -> list:
+    """Source lookup of op-audit findings skips TrainSan's hook files and torch's own files (the
+    demo, also in this package, is user code)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [
+        os.path.join(here, "sanitizer.py"),
+        os.path.join(here, "audit.py"),
+        os.path.join(here, "autograd_checks.py"),
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    ]
+

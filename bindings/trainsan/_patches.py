@@ -1,0 +1,213 @@
+"""Process-wide patches, each installed while at least one sanitizer is open (reference counted;
+the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
+(Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots])."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ._findings import TrainingBugError
+
+# GradScaler.step is wrapped while any sanitizer is open, to tell an AMP skip (the scaler found
+# Inf/NaN and did not call optimizer.step) from a forgotten optimizer.step().
+_scaler_patch = {"users": 0, "orig": None}
+_step_counts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+
+
+def _patch_scaler() -> None:
+    if _scaler_patch["users"] == 0:
+        orig = torch.amp.GradScaler.step
+
+        def step(self, optimizer, *args, **kwargs):
+            before = _step_counts.get(optimizer, 0)
+            out = orig(self, optimizer, *args, **kwargs)
+            if _step_counts.get(optimizer, 0) == before:
+                for san in list(_watchers.get(optimizer, [])):
+                    san._amp_skip(optimizer)
+            return out
+
+        step.__wrapped__ = orig  # type: ignore[attr-defined]
+        _scaler_patch["orig"] = orig
+        torch.amp.GradScaler.step = step  # type: ignore[method-assign]
+    _scaler_patch["users"] += 1
+
+
+# duplicate_batch (Note [Stuck data]): while any sanitizer is open, DataLoader.__iter__ and the
+# loader iterators' __next__ count how many batches each loader's latest iterator yielded; a
+# loader iterated anew after yielding only its first batch of several (`next(iter(loader))`
+# inside the loop) counts as a restart. Bookkeeping only: the batches are not touched.
+_loader_patch: dict = {"users": 0, "iter": None, "next": None}
+_loader_yielded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> [n]
+_data_restarts = [0]
+
+
+def _patch_loader() -> None:
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    if _loader_patch["users"] == 0:
+        orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
+
+        def __iter__(self):
+            try:
+                st = _loader_yielded.get(self)
+                if st is not None and st[0] == 1:
+                    try:
+                        n = len(self)
+                    except TypeError:
+                        n = None  # an iterable dataset without a length
+                    if n is None or n > 1:
+                        _data_restarts[0] += 1
+            except Exception:
+                pass
+            it = orig_iter(self)
+            try:
+                st = [0]
+                _loader_yielded[self] = st
+                it._trainsan_yielded = st
+            except Exception:
+                pass
+            return it
+
+        def __next__(self):
+            out = orig_next(self)
+            st = self.__dict__.get("_trainsan_yielded")
+            if st is not None:
+                st[0] += 1
+            return out
+
+        __iter__.__wrapped__ = orig_iter  # type: ignore[attr-defined]
+        __next__.__wrapped__ = orig_next  # type: ignore[attr-defined]
+        _loader_patch.update(iter=orig_iter, next=orig_next, my_iter=__iter__, my_next=__next__)
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+    _loader_patch["users"] += 1
+
+
+def _unpatch_loader() -> None:
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    _loader_patch["users"] -= 1
+    if _loader_patch["users"] == 0 and _loader_patch["iter"] is not None:
+        # Restore only what is still ours (someone may have wrapped it again since).
+        if DataLoader.__dict__.get("__iter__") is _loader_patch["my_iter"]:
+            DataLoader.__iter__ = _loader_patch["iter"]  # type: ignore[method-assign]
+        if _BaseDataLoaderIter.__dict__.get("__next__") is _loader_patch["my_next"]:
+            _BaseDataLoaderIter.__next__ = _loader_patch["next"]  # type: ignore[method-assign]
+        _loader_patch.update(iter=None, next=None, my_iter=None, my_next=None)
+
+
+def _unpatch_scaler() -> None:
+    _scaler_patch["users"] -= 1
+    if _scaler_patch["users"] == 0 and _scaler_patch["orig"] is not None:
+        torch.amp.GradScaler.step = _scaler_patch["orig"]  # type: ignore[method-assign]
+        _scaler_patch["orig"] = None
+
+
+# The loss without watch_loss (Note [Loss roots]): torch.autograd.backward (which
+# Tensor.backward calls) and GradScaler.scale are wrapped while any sanitizer is open (refcounted;
+# the originals are restored on the last close).
+#
+# Note [Loss roots]
+# ~~~~~~~~~~~~~~~~~
+# The scalar a training backward starts from is the loss. Each such root (one tensor of one
+# element with a grad_fn) is handed, before the backward runs, to the open sanitizers it belongs
+# to, as watch_loss would: nonfinite_loss, loss_spike, trivial_loss. Which ones: the open
+# sanitizers whose model ran a training forward so far; with one such sanitizer, that one (no graph
+# walk). With several (a GAN's generator and discriminator), the autograd graph is walked from the
+# root until one parameter of each is found (or 20000 nodes): the root goes to the sanitizers whose
+# parameters it reaches, and when it reaches several, to the one whose latest training forward
+# came first — the upstream model: a generator loss D(G(z)) reaches both G and D, and is G's
+# (the discriminator loss on fake.detach() reaches only D). A loss that should be D's although
+# it also reaches G (no detach) is then G's; watch_loss(loss) on D's sanitizer adds it there.
+# The root of scaler.scale(loss).backward() is the scaled loss: the wrapped GradScaler.scale
+# remembers the unscaled tensor on its result, and the sanitizer gets that one (the scale factor
+# would make loss_spike and trivial_loss wrong). A tensor is watched once per step however it
+# arrives (a backward, watch_loss, both): identity, held weakly, until the next optimizer step.
+# torch.autograd.grad roots are not followed.
+_loss_patch = {"users": 0, "backward": None, "scale": None}
+_open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
+_forward_clock = [0]  # ticks at every training forward of any sanitizer
+_WALK_LIMIT = 20000
+
+
+def _loss_owners(root: torch.Tensor) -> list:
+    cands = [s for s in list(_open_sanitizers) if not s._closed and s._last_train_forward >= 0]
+    if len(cands) <= 1:
+        return cands
+    found: dict = {}
+    seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
+    while stack and budget > 0 and len(found) < len(cands):
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        budget -= 1
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            for s in cands:
+                if id(var) in s._param_ids:
+                    found.setdefault(s, True)
+        stack.extend(fn for fn, _ in node.next_functions)
+    if not found:
+        return []
+    return [min(found, key=lambda s: s._last_train_forward)]
+
+
+def _watch_roots(tensors: Any) -> None:
+    if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
+        tensors = tensors[0]
+    if not isinstance(tensors, torch.Tensor) or tensors.grad_fn is None or tensors.numel() != 1:
+        return
+    loss = getattr(tensors, "_trainsan_unscaled", tensors)
+    if not isinstance(loss, torch.Tensor):
+        loss = tensors
+    for san in _loss_owners(tensors):
+        san._auto_loss(loss)
+
+
+def _patch_loss() -> None:
+    if _loss_patch["users"] == 0:
+        orig_backward = torch.autograd.backward
+        orig_scale = torch.amp.GradScaler.scale
+
+        def backward(tensors, *args, **kwargs):
+            try:
+                _watch_roots(tensors)
+            except TrainingBugError:
+                raise
+            except Exception:  # never break the user's backward
+                pass
+            return orig_backward(tensors, *args, **kwargs)
+
+        def scale(self, outputs):
+            out = orig_scale(self, outputs)
+            if isinstance(outputs, torch.Tensor) and isinstance(out, torch.Tensor) and (
+                out is not outputs
+            ):
+                try:
+                    out._trainsan_unscaled = outputs
+                except Exception:
+                    pass
+            return out
+
+        backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
+        scale.__wrapped__ = orig_scale  # type: ignore[attr-defined]
+        _loss_patch.update(backward=orig_backward, scale=orig_scale)
+        torch.autograd.backward = backward
+        torch.amp.GradScaler.scale = scale  # type: ignore[method-assign]
+    _loss_patch["users"] += 1
+
+
+def _unpatch_loss() -> None:
+    _loss_patch["users"] -= 1
+    if _loss_patch["users"] == 0 and _loss_patch["backward"] is not None:
+        torch.autograd.backward = _loss_patch["backward"]
+        torch.amp.GradScaler.scale = _loss_patch["scale"]  # type: ignore[method-assign]
+        _loss_patch.update(backward=None, scale=None)
+
