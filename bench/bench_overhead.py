@@ -448,7 +448,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    names = ["plain", "trainsan", "trainsan-full"]
+    names = ["plain", "trainsan"]
+    if "overhead_budget" in trainsan.OPTIONS:  # builds before issue 8 have no budget
+        names.append("trainsan-full")
     if args.breakdown:
         names += ["trainsan-noupd", "trainsan-audit1"]
     if not args.no_anomaly:
@@ -486,9 +488,10 @@ def main(argv=None) -> int:
           "median; paired, p.ovh: median over rounds of the per-round ratio and difference to\n"
           "plain; own: the sanitizer's own measured time per step (median); vs py: pure-Python\n"
           "overhead / trainsan overhead (ovh / p.ovh).")
-    print("trainsan: default options (overhead_budget=%g: update statistics sampled to stay within "
-          "it); trainsan-full: overhead_budget=None (update statistics every step)."
-          % trainsan.OPTIONS["overhead_budget"])
+    if "overhead_budget" in trainsan.OPTIONS:
+        print("trainsan: default options (overhead_budget=%g: update statistics sampled to stay "
+              "within it); trainsan-full: overhead_budget=None (update statistics every step)."
+              % trainsan.OPTIONS["overhead_budget"])
     if args.breakdown:
         print("trainsan-noupd: track_updates=False (no snapshot); trainsan-audit1: audit_every=1 "
               "(the op audit on every step).")

@@ -18,12 +18,16 @@ void average(double& avg, bool& have, double x) {
 void OverheadBudget::observe(double interval_s, double own_s, bool snapshot) {
   if (budget_ <= 0.0) return;
   if (interval_s > 0.0) {
-    average(interval_, have_interval_, interval_s);
-    average(own_, have_own_, own_s);
+    // The step's own cost without TrainSan: this interval less TrainSan's time in it.
+    intervals_[n_intervals_ % kWindow] = interval_s - own_s;
+    n_intervals_ += 1;
   }
   average(snapshot ? snap_ : base_, snapshot ? have_snap_ : have_base_, own_s);
-  if (!have_base_ || !have_snap_ || !have_interval_) return;
-  const double plain = std::max(interval_ - own_, 1e-9);
+  if (!have_base_ || !have_snap_ || n_intervals_ == 0) return;
+  std::array<double, kWindow> recent = intervals_;
+  const size_t n = std::min(n_intervals_, kWindow);
+  std::nth_element(recent.begin(), recent.begin() + n / 2, recent.begin() + n);
+  const double plain = std::max(recent[n / 2], 1e-9);
   const double allowed = budget_ * plain;
   const double extra = std::max(snap_ - base_, 0.0);
   if (base_ + extra <= allowed) {

@@ -2,6 +2,8 @@
 // the update statistics against a parameter snapshot, runs (Note [Overhead budget]). Torch-free.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 namespace trainsan::host {
@@ -15,14 +17,14 @@ namespace trainsan::host {
 // pass's memory traffic. With a budget b (a fraction of the step time without TrainSan), the
 // first `warmup` steps all get update statistics; after that a step s gets them when
 // s % period == 0, and the step before it writes the snapshot. The period is the smallest that
-// keeps TrainSan's measured time per step within b, from running averages of the step interval,
-// of TrainSan's time on steps without a snapshot (the base) and of the extra time of snapshot
-// steps: base + extra * min(1, 2 / period) <= b * (interval - own). Where the base alone exceeds
-// the budget the period is kMaxPeriod: the essentials are never sampled. The period depends on
-// measured times, so which steps carry update statistics varies from run to run; each step record
-// says whether it did, and the trace summary gives the period. A budget <= 0 means no budget:
-// update statistics at every step (as does update_outside_step, which compares against the
-// snapshot at every step begin).
+// keeps TrainSan's measured time per step within b, from the median of the recent step intervals
+// less TrainSan's time in each (the plain step) and running averages of TrainSan's time on steps
+// without a snapshot (the base) and of the extra time of snapshot steps: base + extra * min(1, 2 /
+// period) <= b * plain. Where the base alone exceeds the budget the period is kMaxPeriod: the
+// essentials are never sampled. The period depends on measured times, so which steps carry update
+// statistics varies from run to run; each step record says whether it did, and the trace summary
+// gives the period. A budget <= 0 means no budget: update statistics at every step (as does
+// update_outside_step, which compares against the snapshot at every step begin).
 class OverheadBudget {
  public:
   static constexpr int64_t kMaxPeriod = 50;
@@ -44,8 +46,15 @@ class OverheadBudget {
   double budget_;
   int64_t warmup_;
   int64_t period_ = kFirstPeriod;
-  double interval_ = 0.0, own_ = 0.0, base_ = 0.0, snap_ = 0.0;  // running averages (s)
-  bool have_base_ = false, have_snap_ = false, have_interval_ = false, have_own_ = false;
+  // The step's cost without TrainSan is the median over the latest kWindow intervals of the
+  // interval less TrainSan's time in it (a data-loading stall, an evaluation pass or a
+  // checkpoint between two steps is not the step's cost); base and snapshot costs are running
+  // averages.
+  static constexpr size_t kWindow = 15;
+  std::array<double, kWindow> intervals_{};
+  size_t n_intervals_ = 0;
+  double base_ = 0.0, snap_ = 0.0;  // seconds
+  bool have_base_ = false, have_snap_ = false;
 };
 
 }  // namespace trainsan::host

@@ -49,5 +49,18 @@ TEST(OverheadBudget, BaseOverBudgetGivesTheLongestPeriod) {
   EXPECT_EQ(settle(b, 10e-3, 1e-3, 1e-3), OverheadBudget::kMaxPeriod);
 }
 
+TEST(OverheadBudget, StallsBetweenStepsDoNotWidenTheBudget) {
+  // Every fifth interval holds a long pause (data loading, evaluation, another job's steps): the
+  // step's cost is the median interval, so the period stays that of the steady steps.
+  OverheadBudget b(0.05, 0);
+  const double plain = 10e-3, base = 0.3e-3, extra = 1e-3;
+  for (int s = 0; s < 300; ++s) {
+    const bool snap = b.update_due(s) || b.update_due(s + 1);
+    const double own = base + (snap ? extra : 0.0);
+    b.observe(plain + own + (s % 5 == 0 ? 0.5 : 0.0), own, snap);
+  }
+  EXPECT_EQ(b.period(), 10);
+}
+
 }  // namespace
 }  // namespace trainsan::host
