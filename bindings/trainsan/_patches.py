@@ -1,5 +1,5 @@
-"""Process-wide patches, each installed while at least one sanitizer is open (reference counted;
-the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
+"""Process-wide patches (Patch), each installed while at least one sanitizer is open (reference
+counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
 (Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots])."""
 
 from __future__ import annotations
@@ -11,102 +11,106 @@ import torch
 
 from ._findings import TrainingBugError
 
+
+class Patch:
+    """Attributes replaced while at least one user holds the patch (reference counted). The first
+    acquire() installs what `make()` returns, a list of (owner, name, replacement) built around the
+    current attributes; the last release() puts the originals back, each only where the attribute
+    is still ours (someone may have wrapped it again since)."""
+
+    def __init__(self, make):
+        self.users = 0
+        self._make = make
+        self._saved: list = []  # (owner, name, original, replacement)
+
+    def acquire(self) -> None:
+        if self.users == 0:
+            for owner, name, new in self._make():
+                self._saved.append((owner, name, owner.__dict__[name], new))
+                setattr(owner, name, new)
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            for owner, name, orig, new in self._saved:
+                if owner.__dict__.get(name) is new:
+                    setattr(owner, name, orig)
+            self._saved = []
+
+
 # GradScaler.step is wrapped while any sanitizer is open, to tell an AMP skip (the scaler found
 # Inf/NaN and did not call optimizer.step) from a forgotten optimizer.step().
-_scaler_patch = {"users": 0, "orig": None}
 _step_counts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
-def _patch_scaler() -> None:
-    if _scaler_patch["users"] == 0:
-        orig = torch.amp.GradScaler.step
+def _scaler_step() -> list:
+    orig = torch.amp.GradScaler.step
 
-        def step(self, optimizer, *args, **kwargs):
-            before = _step_counts.get(optimizer, 0)
-            out = orig(self, optimizer, *args, **kwargs)
-            if _step_counts.get(optimizer, 0) == before:
-                for san in list(_watchers.get(optimizer, [])):
-                    san._amp_skip(optimizer)
-            return out
+    def step(self, optimizer, *args, **kwargs):
+        before = _step_counts.get(optimizer, 0)
+        out = orig(self, optimizer, *args, **kwargs)
+        if _step_counts.get(optimizer, 0) == before:
+            for san in list(_watchers.get(optimizer, [])):
+                san._amp_skip(optimizer)
+        return out
 
-        step.__wrapped__ = orig  # type: ignore[attr-defined]
-        _scaler_patch["orig"] = orig
-        torch.amp.GradScaler.step = step  # type: ignore[method-assign]
-    _scaler_patch["users"] += 1
+    step.__wrapped__ = orig  # type: ignore[attr-defined]
+    return [(torch.amp.GradScaler, "step", step)]
+
+
+_scaler_patch = Patch(_scaler_step)
 
 
 # duplicate_batch (Note [Stuck data]): while any sanitizer is open, DataLoader.__iter__ and the
 # loader iterators' __next__ count how many batches each loader's latest iterator yielded; a
 # loader iterated anew after yielding only its first batch of several (`next(iter(loader))`
 # inside the loop) counts as a restart. Bookkeeping only: the batches are not touched.
-_loader_patch: dict = {"users": 0, "iter": None, "next": None}
 _loader_yielded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> [n]
 _data_restarts = [0]
 
 
-def _patch_loader() -> None:
+def _loader_iteration() -> list:
     from torch.utils.data import DataLoader
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    if _loader_patch["users"] == 0:
-        orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
+    orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
 
-        def __iter__(self):
-            try:
-                st = _loader_yielded.get(self)
-                if st is not None and st[0] == 1:
-                    try:
-                        n = len(self)
-                    except TypeError:
-                        n = None  # an iterable dataset without a length
-                    if n is None or n > 1:
-                        _data_restarts[0] += 1
-            except Exception:
-                pass
-            it = orig_iter(self)
-            try:
-                st = [0]
-                _loader_yielded[self] = st
-                it._trainsan_yielded = st
-            except Exception:
-                pass
-            return it
+    def __iter__(self):
+        try:
+            st = _loader_yielded.get(self)
+            if st is not None and st[0] == 1:
+                try:
+                    n = len(self)
+                except TypeError:
+                    n = None  # an iterable dataset without a length
+                if n is None or n > 1:
+                    _data_restarts[0] += 1
+        except Exception:
+            pass
+        it = orig_iter(self)
+        try:
+            st = [0]
+            _loader_yielded[self] = st
+            it._trainsan_yielded = st
+        except Exception:
+            pass
+        return it
 
-        def __next__(self):
-            out = orig_next(self)
-            st = self.__dict__.get("_trainsan_yielded")
-            if st is not None:
-                st[0] += 1
-            return out
+    def __next__(self):
+        out = orig_next(self)
+        st = self.__dict__.get("_trainsan_yielded")
+        if st is not None:
+            st[0] += 1
+        return out
 
-        __iter__.__wrapped__ = orig_iter  # type: ignore[attr-defined]
-        __next__.__wrapped__ = orig_next  # type: ignore[attr-defined]
-        _loader_patch.update(iter=orig_iter, next=orig_next, my_iter=__iter__, my_next=__next__)
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
-        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
-    _loader_patch["users"] += 1
+    __iter__.__wrapped__ = orig_iter  # type: ignore[attr-defined]
+    __next__.__wrapped__ = orig_next  # type: ignore[attr-defined]
+    return [(DataLoader, "__iter__", __iter__), (_BaseDataLoaderIter, "__next__", __next__)]
 
 
-def _unpatch_loader() -> None:
-    from torch.utils.data import DataLoader
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    _loader_patch["users"] -= 1
-    if _loader_patch["users"] == 0 and _loader_patch["iter"] is not None:
-        # Restore only what is still ours (someone may have wrapped it again since).
-        if DataLoader.__dict__.get("__iter__") is _loader_patch["my_iter"]:
-            DataLoader.__iter__ = _loader_patch["iter"]  # type: ignore[method-assign]
-        if _BaseDataLoaderIter.__dict__.get("__next__") is _loader_patch["my_next"]:
-            _BaseDataLoaderIter.__next__ = _loader_patch["next"]  # type: ignore[method-assign]
-        _loader_patch.update(iter=None, next=None, my_iter=None, my_next=None)
-
-
-def _unpatch_scaler() -> None:
-    _scaler_patch["users"] -= 1
-    if _scaler_patch["users"] == 0 and _scaler_patch["orig"] is not None:
-        torch.amp.GradScaler.step = _scaler_patch["orig"]  # type: ignore[method-assign]
-        _scaler_patch["orig"] = None
+_loader_patch = Patch(_loader_iteration)
 
 
 # The loss without watch_loss (Note [Loss roots]): torch.autograd.backward (which
@@ -130,7 +134,6 @@ def _unpatch_scaler() -> None:
 # would make loss_spike and trivial_loss wrong). A tensor is watched once per step however it
 # arrives (a backward, watch_loss, both): identity, held weakly, until the next optimizer step.
 # torch.autograd.grad roots are not followed.
-_loss_patch = {"users": 0, "backward": None, "scale": None}
 _open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
 _WALK_LIMIT = 20000
@@ -171,43 +174,33 @@ def _watch_roots(tensors: Any) -> None:
         san._auto_loss(loss)
 
 
-def _patch_loss() -> None:
-    if _loss_patch["users"] == 0:
-        orig_backward = torch.autograd.backward
-        orig_scale = torch.amp.GradScaler.scale
+def _loss_roots() -> list:
+    orig_backward = torch.autograd.backward
+    orig_scale = torch.amp.GradScaler.scale
 
-        def backward(tensors, *args, **kwargs):
+    def backward(tensors, *args, **kwargs):
+        try:
+            _watch_roots(tensors)
+        except TrainingBugError:
+            raise
+        except Exception:  # never break the user's backward
+            pass
+        return orig_backward(tensors, *args, **kwargs)
+
+    def scale(self, outputs):
+        out = orig_scale(self, outputs)
+        if isinstance(outputs, torch.Tensor) and isinstance(out, torch.Tensor) and (
+            out is not outputs
+        ):
             try:
-                _watch_roots(tensors)
-            except TrainingBugError:
-                raise
-            except Exception:  # never break the user's backward
+                out._trainsan_unscaled = outputs
+            except Exception:
                 pass
-            return orig_backward(tensors, *args, **kwargs)
+        return out
 
-        def scale(self, outputs):
-            out = orig_scale(self, outputs)
-            if isinstance(outputs, torch.Tensor) and isinstance(out, torch.Tensor) and (
-                out is not outputs
-            ):
-                try:
-                    out._trainsan_unscaled = outputs
-                except Exception:
-                    pass
-            return out
-
-        backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
-        scale.__wrapped__ = orig_scale  # type: ignore[attr-defined]
-        _loss_patch.update(backward=orig_backward, scale=orig_scale)
-        torch.autograd.backward = backward
-        torch.amp.GradScaler.scale = scale  # type: ignore[method-assign]
-    _loss_patch["users"] += 1
+    backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
+    scale.__wrapped__ = orig_scale  # type: ignore[attr-defined]
+    return [(torch.autograd, "backward", backward), (torch.amp.GradScaler, "scale", scale)]
 
 
-def _unpatch_loss() -> None:
-    _loss_patch["users"] -= 1
-    if _loss_patch["users"] == 0 and _loss_patch["backward"] is not None:
-        torch.autograd.backward = _loss_patch["backward"]
-        torch.amp.GradScaler.scale = _loss_patch["scale"]  # type: ignore[method-assign]
-        _loss_patch.update(backward=None, scale=None)
-
+_loss_patch = Patch(_loss_roots)

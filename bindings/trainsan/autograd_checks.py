@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._patches import Patch
+
 # Note [Saved-tensor fingerprint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # (Σx, Σ|x|) in the tensor's own floating precision (integer tensors: Σx in int64), compared
@@ -214,43 +216,45 @@ class SavedTensorCheck:
 # bad_custom_grad
 
 
-_fn_patch: dict = {"users": [], "orig": None}
+_fn_users: list = []  # the CustomGradChecks of the open sanitizers
+
+
+def _function_apply() -> list:
+    orig_fn = torch.autograd.Function.__dict__["apply"].__func__  # a classmethod
+
+    def apply(cls, *args, **kwargs):
+        users = [c for c in _fn_users if c.wants(cls)]
+        if not users or _state["in_gradcheck"] or not torch.is_grad_enabled():
+            return orig_fn(cls, *args, **kwargs)
+        copies = _copies(args)
+        out = orig_fn(cls, *args, **kwargs)
+        if copies is not None:
+            t0 = time.perf_counter()
+            for c in users:
+                c.seen.add(cls)
+            results = _directional_check(orig_fn, cls, copies, kwargs)
+            for c in users:
+                c._add_time(time.perf_counter() - t0)
+            for c in users:
+                c.report(cls, results)
+        return out
+
+    apply.__wrapped__ = orig_fn  # type: ignore[attr-defined]
+    return [(torch.autograd.Function, "apply", classmethod(apply))]
+
+
+_fn_patch = Patch(_function_apply)
 
 
 def _patch_function_apply(checker: "CustomGradCheck") -> None:
-    if _fn_patch["orig"] is None:
-        orig = torch.autograd.Function.__dict__["apply"]  # a classmethod
-        orig_fn = orig.__func__
-
-        def apply(cls, *args, **kwargs):
-            users = [c for c in _fn_patch["users"] if c.wants(cls)]
-            if not users or _state["in_gradcheck"] or not torch.is_grad_enabled():
-                return orig_fn(cls, *args, **kwargs)
-            copies = _copies(args)
-            out = orig_fn(cls, *args, **kwargs)
-            if copies is not None:
-                t0 = time.perf_counter()
-                for c in users:
-                    c.seen.add(cls)
-                results = _directional_check(orig_fn, cls, copies, kwargs)
-                for c in users:
-                    c._add_time(time.perf_counter() - t0)
-                for c in users:
-                    c.report(cls, results)
-            return out
-
-        apply.__wrapped__ = orig_fn  # type: ignore[attr-defined]
-        _fn_patch["orig"] = orig
-        torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
-    _fn_patch["users"].append(checker)
+    _fn_users.append(checker)
+    _fn_patch.acquire()
 
 
 def _unpatch_function_apply(checker: "CustomGradCheck") -> None:
-    if checker in _fn_patch["users"]:
-        _fn_patch["users"].remove(checker)
-    if not _fn_patch["users"] and _fn_patch["orig"] is not None:
-        torch.autograd.Function.apply = _fn_patch["orig"]  # type: ignore[method-assign]
-        _fn_patch["orig"] = None
+    if checker in _fn_users:
+        _fn_users.remove(checker)
+        _fn_patch.release()
 
 
 def _copies(args) -> Optional[list]:

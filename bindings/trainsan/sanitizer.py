@@ -85,14 +85,11 @@ from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E4
 from ._patches import (  # noqa: E402
     _data_restarts,
     _forward_clock,
+    _loader_patch,
+    _loss_patch,
     _open_sanitizers,
-    _patch_loader,
-    _patch_loss,
-    _patch_scaler,
+    _scaler_patch,
     _step_counts,
-    _unpatch_loader,
-    _unpatch_loss,
-    _unpatch_scaler,
     _watchers,
 )
 
@@ -189,9 +186,9 @@ class Sanitizer:
             for n, m in model.named_modules():
                 if not list(m.children()):
                     self._handles.append(m.register_forward_hook(self._make_activation_hook(n)))
-        _patch_scaler()
+        _scaler_patch.acquire()
         self._scaler_patched = True
-        _patch_loader()
+        _loader_patch.acquire()
         self._loader_patched = True
         # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
         # custom-Function gradcheck (opt-in, gradcheck_every).
@@ -213,7 +210,7 @@ class Sanitizer:
             else None
         )
         self._param_ids = {id(p) for p in params}
-        _patch_loss()
+        _loss_patch.acquire()
         self._loss_patched = True
         _open_sanitizers.add(self)
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
@@ -443,14 +440,14 @@ class Sanitizer:
                 ws.remove(self)
         if self._scaler_patched:
             self._scaler_patched = False
-            _unpatch_scaler()
+            _scaler_patch.release()
         if getattr(self, "_loader_patched", False):
             self._loader_patched = False
-            _unpatch_loader()
+            _loader_patch.release()
         _open_sanitizers.discard(self)
         if getattr(self, "_loss_patched", False):
             self._loss_patched = False
-            _unpatch_loss()
+            _loss_patch.release()
         if _attached.get(self._model) is self:
             del _attached[self._model]
         self._apply(self._handle.close())

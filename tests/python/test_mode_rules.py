@@ -93,7 +93,7 @@ def test_dataloader_bookkeeping_only_while_open():
     from trainsan import _patches as sanmod
 
     gc.collect()  # sanitizers an earlier failing test left unclosed
-    users0 = sanmod._loader_patch["users"]
+    users0 = sanmod._loader_patch.users
     orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
     loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.zeros(32, dtype=torch.long)),
                         batch_size=8)
@@ -101,14 +101,14 @@ def test_dataloader_bookkeeping_only_while_open():
     s1 = trainsan.attach(m1, torch.optim.SGD(m1.parameters(), lr=0.1), policy="record")
     s2 = trainsan.attach(m2, torch.optim.SGD(m2.parameters(), lr=0.1), policy="record")
     assert DataLoader.__iter__ is not orig_iter or users0 > 0
-    assert sanmod._loader_patch["users"] == users0 + 2
+    assert sanmod._loader_patch.users == users0 + 2
     assert sum(1 for _ in loader) == 4  # iteration is unchanged
     batches = [b for b in loader]
     assert torch.equal(batches[0][0], next(iter(loader))[0])
     s1.close()
     assert DataLoader.__iter__ is not orig_iter or users0 > 0  # s2 still open
     s2.close()
-    assert sanmod._loader_patch["users"] == users0
+    assert sanmod._loader_patch.users == users0
     if users0 == 0:
         assert DataLoader.__iter__ is orig_iter
         assert _BaseDataLoaderIter.__next__ is orig_next
