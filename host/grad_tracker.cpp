@@ -30,6 +30,20 @@ struct AccumulatePostHook : torch::autograd::FunctionPostHook {
   size_t index_;
 };
 
+// Pre-hook on the same node: sees .grad right before the accumulation (Note [Grad identity]).
+struct AccumulatePreHook : torch::autograd::FunctionPreHook {
+  AccumulatePreHook(std::weak_ptr<GradTracker*> owner, size_t index)
+      : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto o = owner_.lock()) (*o)->before_accumulation(index_);
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<GradTracker*> owner_;
+  size_t index_;
+};
+
 }  // namespace
 
 GradTracker::GradTracker(const std::vector<TrackedParam>& params, bool have_optimizer,
@@ -54,11 +68,15 @@ void GradTracker::install() {
     if (!p.requires_grad() || !p.is_leaf()) {
       accumulators_.emplace_back();
       hook_keys_.push_back(0);
+      pre_hooks_.push_back(nullptr);
       continue;
     }
     // Holding the accumulator keeps it (and the hook) alive across graphs, as DDP does.
     auto acc = torch::autograd::impl::grad_accumulator(p);
     const uintptr_t key = acc->add_post_hook(std::make_unique<AccumulatePostHook>(self_token_, i));
+    auto pre = std::make_unique<AccumulatePreHook>(self_token_, i);
+    pre_hooks_.push_back(pre.get());
+    acc->add_pre_hook(std::move(pre));
     accumulators_.push_back(std::move(acc));
     hook_keys_.push_back(key);
   }
@@ -66,10 +84,16 @@ void GradTracker::install() {
 
 void GradTracker::remove() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {
-    if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
+    if (!accumulators_[i]) continue;
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+    auto& pre = accumulators_[i]->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& h) { return h.get() == pre_hooks_[i]; }),
+              pre.end());
   }
   accumulators_.clear();
   hook_keys_.clear();
+  pre_hooks_.clear();
   self_token_.reset();  // a hook still running elsewhere sees the owner gone
 }
 
@@ -102,13 +126,15 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
   backwards_since_step_ = 0;
   grad_since_forward_ = false;
   out->clear();
+  // Two passes: what each gradient is at the step (before any is recorded: recording one view of
+  // a DDP bucket would hide a change to its siblings), then the record.
   for (const size_t i : indices) {
     GradState& s = grad_[i];
     Consumed c;
     c.observed = {s.got_grad, s.stale, s.accumulated};
     const at::Tensor& g = params_[i].param.grad();
     c.at_step = !g.defined() ? GradAtStep::kNone
-                : (s.last.get() == g.unsafeGetTensorImpl() && g._version() == s.last_version)
+                : (s.last.get() == g.unsafeGetTensorImpl() && untouched(g, s))
                     ? GradAtStep::kAsBackwardLeft
                     : GradAtStep::kModified;
     if (s.probe.defined()) {
@@ -116,11 +142,16 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
       s.probe = at::Tensor();
     }
     out->push_back(c);
+  }
+  for (const size_t i : indices) {
+    GradState& s = grad_[i];
+    const at::Tensor& g = params_[i].param.grad();
     const bool orphan = params_[i].opt < 0;
     if (!manual && !orphan) {
       if (g.defined()) {
         s.consumed = WeakImpl(g);
-        s.consumed_version = g._version();
+        s.consumed_latest = true;
+        record(g, &s);
       }
       s.step_since_clear = true;
       s.unused_clears = 0;
@@ -130,13 +161,44 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
     s.accumulated = false;
     if (manual) s.produced_since_clear = false;
   }
+  if (seen_version_.size() > 2 * params_.size() + 16) {
+    // Forget the storages no parameter's .grad uses any more (fresh gradients every step).
+    std::unordered_map<const void*, StorageSeen> keep;
+    for (const auto& tp : params_) {
+      const at::Tensor& g = tp.param.grad();
+      if (!g.defined()) continue;
+      auto it = seen_version_.find(storage_key(g));
+      if (it != seen_version_.end()) keep.insert(*it);
+    }
+    seen_version_.swap(keep);
+  }
+}
+
+const void* GradTracker::storage_key(const at::Tensor& g) {
+  const c10::TensorImpl* impl = g.unsafeGetTensorImpl();
+  if (impl->has_storage() && impl->unsafe_storage().unsafeGetStorageImpl() != nullptr) {
+    return impl->unsafe_storage().unsafeGetStorageImpl();
+  }
+  return impl;  // no storage (a wrapper subclass such as DTensor): its own version counter
+}
+
+bool GradTracker::untouched(const at::Tensor& g, const GradState& s) const {
+  auto it = seen_version_.find(storage_key(g));
+  return it != seen_version_.end() && it->second.version == g._version() &&
+         it->second.clears == s.clears_seen;
+}
+
+void GradTracker::record(const at::Tensor& g, GradState* s) {
+  StorageSeen& st = seen_version_[storage_key(g)];
+  st.version = g._version();
+  s->clears_seen = st.clears;
 }
 
 bool GradTracker::as_backward_left(size_t i) const {
   const at::Tensor& g = params_[i].param.grad();
   const std::lock_guard<std::mutex> lock(mu_);
   const GradState& s = grad_[i];
-  return g.defined() && s.last.get() == g.unsafeGetTensorImpl() && s.last_version == g._version();
+  return g.defined() && s.last.get() == g.unsafeGetTensorImpl() && untouched(g, s);
 }
 
 bool GradTracker::any_produced() const {
@@ -164,16 +226,44 @@ void GradTracker::arm_probe(int64_t steps) {
   probe_steps_ = std::max(probe_steps_, steps);
 }
 
+void GradTracker::before_accumulation(size_t i) {
+  const at::Tensor& g = params_[i].param.grad();
+  const std::lock_guard<std::mutex> lock(mu_);
+  GradState& s = grad_[i];
+  using Before = GradState::Before;
+  if (!g.defined()) {
+    s.before = Before::kFresh;
+    return;
+  }
+  const c10::TensorImpl* impl = g.unsafeGetTensorImpl();
+  // A version of its storage that neither our hooks nor a step made: touched by someone else
+  // (zeroed in place), which clears every gradient living in that storage.
+  auto it = seen_version_.find(storage_key(g));
+  if (it != seen_version_.end() && it->second.version != g._version()) {
+    it->second.version = g._version();
+    it->second.clears += 1;
+  }
+  if (!untouched(g, s)) {
+    s.before = Before::kFresh;
+  } else if (s.consumed_latest && s.consumed.get() == impl) {
+    s.before = Before::kConsumed;
+  } else if (s.last.get() == impl) {
+    s.before = Before::kLast;
+  } else {
+    s.before = Before::kFresh;
+  }
+}
+
 void GradTracker::on_grad_accumulated(size_t i) {
   if (on_backward_) on_backward_();  // backward has started: the op audit covers forward only
   const at::Tensor& g = params_[i].param.grad();
   if (!g.defined()) return;
   const std::lock_guard<std::mutex> lock(mu_);
   GradState& s = grad_[i];
-  const c10::TensorImpl* impl = g.unsafeGetTensorImpl();
-  const uint32_t ver = g._version();
-  const bool onto_consumed = s.consumed.get() == impl && ver == s.consumed_version + 1;
-  const bool onto_last = s.last.get() == impl && ver == s.last_version + 1;
+  using Before = GradState::Before;
+  const bool onto_consumed = s.before == Before::kConsumed;
+  const bool onto_last = s.before == Before::kLast;
+  s.before = Before::kFresh;
   if (!in_step_) {
     if (onto_consumed && have_optimizer_) {
       s.stale = true;
@@ -200,7 +290,8 @@ void GradTracker::on_grad_accumulated(size_t i) {
   s.got_grad = true;
   grad_since_forward_ = true;
   s.last = WeakImpl(g);
-  s.last_version = ver;
+  s.consumed_latest = false;
+  record(g, &s);
   if (probe_steps_ > 0) {  // Note [Zero gradients]
     if (g.layout() == at::kStrided) {
       const at::NoGradGuard no_grad;

@@ -11,28 +11,41 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "checks/check.h"
 
 namespace torch::autograd {
 struct Node;
-}
+struct FunctionPreHook;
+}  // namespace torch::autograd
 
 namespace trainsan::host {
 
 // Note [Grad identity]
 // ~~~~~~~~~~~~~~~~~~~~
 // Whether a backward accumulated onto an old gradient is told by the identity of the .grad
-// tensor and its version counter, not by its values: AccumulateGrad either writes a fresh tensor
-// into .grad (after zero_grad(set_to_none=True), or when .grad was None) or adds in place into the
-// existing one, bumping its version by exactly one. So "the .grad a step consumed, at the version
-// it had then, plus one" means the backward added onto a gradient that was never cleared
-// (stale_grad, outside declared accumulation); "the .grad the last backward left, plus one" means
-// accumulation across backwards before one step (legitimate); anything else is a fresh or
-// zeroed gradient. zero_grad(set_to_none=False) zeroes in place (version + 1) and the next
-// backward adds again (+1): two bumps, so it reads as cleared. Identities are held weakly
-// (WeakImpl): a freed gradient whose address is reused is never mistaken for the old one.
+// tensor and its version counter, looked at right before the accumulation (a pre-hook on the
+// parameter's AccumulateGrad node), not by its values. What .grad is then:
+//   - undefined: cleared (zero_grad(set_to_none=True)), a fresh gradient;
+//   - the tensor a step consumed, at the version it had then: the backward adds onto a gradient
+//     that was never cleared (stale_grad, outside declared accumulation);
+//   - the tensor the last backward left, at the version it had then: accumulation across
+//     backwards before one step (legitimate);
+//   - anything else (zeroed in place, so a newer version; replaced by another tensor): cleared.
+// Looking before the accumulation, rather than inferring from the version after it, keeps this
+// exact when something else owns the gradient's storage: DDP with gradient_as_bucket_view=True
+// turns .grad into a view of its bucket in its own post-hook (copying into it, which bumps the
+// version) and writes the all-reduced values there after backward; a .grad set to None by
+// zero_grad is still seen as None here. The versions compared are those of the storage (the
+// version counter views share): per storage, the version our hooks or the last step saw and a
+// count of the moves found that neither made; per gradient, that count when it was last recorded.
+// So an accumulation into one view of a DDP bucket does not make its siblings look zeroed, while
+// a zero_grad(set_to_none=False) (moves nobody of ours made) clears each view in the bucket. The
+// post-hook then records what .grad is after the accumulation (and after the post-hooks registered
+// before ours, such as DDP's). Identities are held weakly (WeakImpl): a freed gradient whose
+// address is reused is never mistaken for the old one.
 
 // Identity of a .grad tensor without keeping it alive.
 class WeakImpl {
@@ -55,11 +68,13 @@ struct GradState {
   bool accumulated = false;       // (manual mode) accumulated onto an uncleared gradient
   bool skipped = false;           // cleared twice without any step of its optimizer since
   WeakImpl last;                  // the .grad as left by the last accumulation
-  uint32_t last_version = 0;
-  WeakImpl consumed;  // the .grad as consumed by the last step
-  uint32_t consumed_version = 0;
-  int64_t unused_clears = 0;  // clears without a step of its optimizer since the last step
-  at::Tensor probe;           // while probing: .grad as the last backward left it had a nonzero
+  WeakImpl consumed;              // the .grad as consumed by the last step
+  bool consumed_latest = false;   // no accumulation since that step
+  uint64_t clears_seen = 0;       // its storage's clear count when last recorded
+  int64_t unused_clears = 0;      // clears without a step of its optimizer since the last step
+  at::Tensor probe;               // while probing: .grad as the last backward left it had a nonzero
+  // What .grad was right before the current accumulation (set by the pre-hook).
+  enum class Before : uint8_t { kFresh, kConsumed, kLast } before = Before::kFresh;
 };
 
 struct TrackedParam {
@@ -109,7 +124,11 @@ class GradTracker {
   /// gradient holds a nonzero element (one reduction per parameter per backward; read at the step).
   void arm_probe(int64_t steps);
 
-  void on_grad_accumulated(size_t index);  // the hook body (engine threads)
+  void before_accumulation(size_t index);  // the pre-hook body (engine threads)
+  void on_grad_accumulated(size_t index);  // the post-hook body (engine threads)
+
+  /// The key of a gradient's version counter: its storage (views of one DDP bucket share it).
+  static const void* storage_key(const at::Tensor& g);
 
  private:
   const std::vector<TrackedParam>& params_;
@@ -117,13 +136,24 @@ class GradTracker {
   std::function<void()> on_backward_;
   mutable std::mutex mu_;
   std::vector<GradState> grad_;
+  // Note [Grad identity]: per gradient storage, the version our hooks or a step last saw, and how
+  // many times it was found moved by something else since (each such move clears every gradient
+  // living there); a gradient is untouched while both match its own record.
+  struct StorageSeen {
+    uint32_t version = 0;
+    uint64_t clears = 0;
+  };
+  std::unordered_map<const void*, StorageSeen> seen_version_;
+  bool untouched(const at::Tensor& g, const GradState& s) const;  // under mu_
+  void record(const at::Tensor& g, GradState* s);                 // under mu_
   bool in_step_ = false;
   bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
   int64_t backwards_since_step_ = 0;
   int64_t probe_steps_ = 0;  // Note [Zero gradients]: steps left to probe
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
-  std::shared_ptr<GradTracker*> self_token_;  // hooks hold it weakly
+  std::vector<torch::autograd::FunctionPreHook*> pre_hooks_;  // owned by the accumulators
+  std::shared_ptr<GradTracker*> self_token_;                  // hooks hold it weakly
 };
 
 }  // namespace trainsan::host

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -83,6 +84,7 @@ from ._facts import (  # noqa: E402
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
 from ._patches import (  # noqa: E402
+    Patch,
     _data_restarts,
     _forward_clock,
     _loader_patch,
@@ -96,8 +98,144 @@ from ._patches import (  # noqa: E402
 
 _KIND_ON = dict(zip(*(torch.ops.trainsan.kinds()[k] for k in (0, 2))))  # kind -> on by default
 
-_attached: "weakref.WeakKeyDictionary[torch.nn.Module, Sanitizer]" = weakref.WeakKeyDictionary()
+# model -> weakref to its open sanitizer (weak both ways: Note [Sanitizer lifetime])
+_attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _ACTIONS = ("none", "warn", "raise")  # trainsan::Action, as the op library returns it
+
+
+# Note [Sanitizer lifetime]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Nothing TrainSan installs holds the sanitizer strongly: the module and optimizer hooks are
+# _Hook objects that call it through a weak reference, and the process-wide registries
+# (_attached, _watchers, _open_sanitizers) hold it weakly. So a sanitizer the user drops
+# without close() is garbage-collected, and its finalizer (__del__ -> close()) removes every hook
+# and writes the trace summary: the model is left as it was and can be attached again. Dropping
+# the object returned by attach() at once (`trainsan.attach(model, opt)` as a statement) would
+# check nothing, so the finalizer warns when it closes a sanitizer nobody closed.
+# The hooks are also invisible to copies: while a sanitizer is open, nn.Module.__getstate__ (what
+# copy.deepcopy, pickle and torch.save(model) use) leaves _Hook entries out of the state, so an
+# EMA or best-model copy, or a saved whole module, carries no sanitizer and no reference to one.
+
+
+class _Hook:
+    """A module/optimizer hook that calls `method` of a sanitizer held weakly (Note [Sanitizer
+    lifetime]), with `args` before the hook's own arguments. A no-op once the sanitizer is gone."""
+
+    __slots__ = ("_ref", "_method", "_args", "__weakref__")
+
+    def __init__(self, san: "Sanitizer", method: str, *args: Any):
+        self._ref = weakref.ref(san)
+        self._method = method
+        self._args = args
+
+    def __call__(self, *args: Any) -> Any:
+        san = self._ref()
+        if san is None:
+            return None
+        return getattr(san, self._method)(*self._args, *args)
+
+
+def _weak_method(bound) -> Any:
+    """`bound` (a bound method of a sanitizer) called through a weak reference: for callbacks
+    handed to objects that process-wide state may hold (a pushed TorchFunctionMode, saved-tensor
+    hooks, the Function.apply patch)."""
+    ref = weakref.WeakMethod(bound)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+
+    return call
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _module_getstate() -> list:
+    """nn.Module.__getstate__ without TrainSan's hooks (Note [Sanitizer lifetime])."""
+    orig = torch.nn.Module.__getstate__
+
+    def __getstate__(self):
+        state = orig(self)
+        hooks = state.get("_forward_pre_hooks")
+        ours = [k for k, h in (hooks or {}).items() if isinstance(h, _Hook)]
+        fwd = state.get("_forward_hooks")
+        ours += [k for k, h in (fwd or {}).items() if isinstance(h, _Hook)]
+        if ours:
+            for name in _HOOK_DICTS:
+                d = state.get(name)
+                if d is not None and any(k in d for k in ours):
+                    state[name] = type(d)((k, v) for k, v in d.items() if k not in ours)
+        return state
+
+    __getstate__.__wrapped__ = orig  # type: ignore[attr-defined]
+    return [(torch.nn.Module, "__getstate__", __getstate__)]
+
+
+_getstate_patch = Patch(_module_getstate)
+
+
+# Note [Closure steps]
+# ~~~~~~~~~~~~~~~~~~~~
+# optimizer.step(closure) runs the loop's forward and backward inside the step: Lightning's
+# automatic optimization does it every step, LBFGS evaluates the closure several times. The first
+# evaluation is the step's training forward and backward, exactly as in a plain loop, so the
+# step's pre-hook does not begin the step: it hands the optimizer a _StepClosure, and the step
+# begins (snapshot, step_begin) when the closure has returned the first time. Every check that
+# sees a plain loop's forward (inputs, modes, op audits, the loss) sees that evaluation; later
+# evaluations (LBFGS line search) are inside the step, where only nonfinite_loss applies. An
+# optimizer seen evaluating its closure more than once in a step (LBFGS) is a line-search
+# optimizer: from its next step on, the step begins before its closure runs, so every evaluation
+# is inside the step (its first loss is a trial like the others: no loss_spike or trivial_loss on a
+# second-order method that legitimately solves a convex problem in a step or two), and its steps
+# are judged as steps that need not move the weights (LBFGS returns without an update when its own
+# tolerances say it has converged): the rules that expect a move (skipped_step, update_ratio) do
+# not apply to it, as with a learning rate of 0. An optimizer that never calls its closure gets a
+# step without a beginning (step_in_flight).
+
+
+class _StepClosure:
+    """The closure handed to the optimizer (Note [Closure steps])."""
+
+    def __init__(self, san: "Sanitizer", k: int, closure):
+        self._ref = weakref.ref(san)
+        self._k = k
+        self._closure = closure
+        self._begun = False
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        out = self._closure(*args, **kwargs)
+        if not self._begun:
+            self._begun = True
+            san = self._ref()
+            if san is not None:
+                san._begin_step(self._k)
+        return out
+
+
+def _unwrap_optimizer(o: Any) -> Any:
+    """The torch optimizer inside a wrapper (accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer: anything with an ``.optimizer`` attribute that is not itself a working
+    torch optimizer). A real Optimizer subclass that wraps another (Lookahead) is kept: its own
+    step is the update."""
+    for _ in range(8):
+        if isinstance(o, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in o.__dict__:
+            return o
+        inner = getattr(o, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(o, "_optimizer", None)
+        if inner is None or inner is o:
+            return o
+        o = inner
+    return o
 
 
 class Sanitizer:
@@ -115,6 +253,7 @@ class Sanitizer:
         self._model = model
         self._optimizers = list(optimizers)
         self._closed = False
+        self._getstate_patched = False
         # Set once this sanitizer holds a reference on the GradScaler patch: an __init__ that
         # raises (bad trace path, bad option) is still close()d by __del__, and must not release
         # a reference it never took (the count would go negative and AMP skips go unseen).
@@ -172,20 +311,24 @@ class Sanitizer:
         sync = options.get("sync", OPTIONS["sync"])
         LabelGuard.end_all_windows()
         self._label_guard = (
-            LabelGuard(self._check_target, host_only=not sync)
+            LabelGuard(_weak_method(self._check_target), host_only=not sync)
             if policy == "raise"
             and (self._enabled("label_range", checks) or self._enabled("batch_mismatch", checks))
             else None
         )
-        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        _getstate_patch.acquire()
+        self._getstate_patched = True
+        self._handles.append(
+            model.register_forward_pre_hook(_Hook(self, "_on_forward"), with_kwargs=True)
+        )
         for k, opt in enumerate(self._optimizers):
-            self._handles.append(opt.register_step_pre_hook(self._make_pre_step(k)))
-            self._handles.append(opt.register_step_post_hook(self._make_post_step(k)))
-            _watchers.setdefault(opt, []).append(self)
+            self._handles.append(opt.register_step_pre_hook(_Hook(self, "_pre_step", k)))
+            self._handles.append(opt.register_step_post_hook(_Hook(self, "_post_step", k)))
+            _watchers.setdefault(opt, weakref.WeakSet()).add(self)
         if self._enabled("nonfinite_activation", checks):
             for n, m in model.named_modules():
                 if not list(m.children()):
-                    self._handles.append(m.register_forward_hook(self._make_activation_hook(n)))
+                    self._handles.append(m.register_forward_hook(_Hook(self, "_activation", n)))
         _scaler_patch.acquire()
         self._scaler_patched = True
         _loader_patch.acquire()
@@ -197,14 +340,14 @@ class Sanitizer:
                 self._handle,
                 {id(p): n for n, p in zip(names, params)},
                 {id(b) for b in model.buffers()},
-                self._apply,
-                self._add_py,
+                _weak_method(self._apply),
+                _weak_method(self._add_py),
             )
             if self._enabled("inplace_before_backward", checks)
             else None
         )
         self._gradcheck = (
-            CustomGradCheck(self._handle, self._apply, self._add_py)
+            CustomGradCheck(self._handle, _weak_method(self._apply), _weak_method(self._add_py))
             if self._enabled("bad_custom_grad", checks)
             and int(options.get("gradcheck_every", OPTIONS["gradcheck_every"])) > 0
             else None
@@ -216,6 +359,8 @@ class Sanitizer:
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
         # is part of it, and its post-hook comes without a pre-hook (_make_post_step).
         self._stepping: set = set()
+        self._closures: dict = {}  # optimizer index -> its step's _StepClosure
+        self._line_search: set = set()  # optimizers that evaluate a closure several times a step
         for k in _steps_in_flight(self._optimizers):
             self._handle.step_in_flight(k)
 
@@ -277,44 +422,54 @@ class Sanitizer:
     def _add_py(self, seconds: float) -> None:
         self._py_overhead += seconds
 
-    def _make_pre_step(self, k: int):
-        def hook(opt, args, kwargs):
-            if self._label_guard is not None:
-                self._label_guard.pop()
-            self._end_autograd_window()
-            if not self._closed:
-                self._stepping.add(k)
-                self._apply(self._handle.step_begin(k))
+    def _pre_step(self, k: int, opt, args, kwargs):
+        # args[0] is the optimizer itself (torch.optim's hook wrapper passes step's own args).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure) and not self._closed and k not in self._line_search:
+            # Note [Closure steps]: the step begins when its closure has run once.
+            wrapped = _StepClosure(self, k, closure)
+            self._closures[k] = wrapped
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._begin_step(k)
+        return None
 
-        return hook
+    def _begin_step(self, k: int) -> None:
+        if self._label_guard is not None:
+            self._label_guard.pop()
+        self._end_autograd_window()
+        if not self._closed:
+            self._stepping.add(k)
+            self._apply(self._handle.step_begin(k))
 
-    def _make_post_step(self, k: int):
-        def hook(opt, args, kwargs):
-            _step_counts[opt] = _step_counts.get(opt, 0) + 1
-            if self._closed:
-                return
-            self._watched.clear()  # a loss is watched once per step (Note [Loss roots])
-            t0 = time.perf_counter()
-            lrs = _group_lrs(opt)
-            lr0 = all(lr == 0 for lr in lrs)
-            if k not in self._stepping:
-                # No pre-hook for this step: it was in flight when this sanitizer attached.
-                self._handle.step_in_flight(k)
-            self._stepping.discard(k)
-            self._py_overhead += time.perf_counter() - t0
-            self._apply(self._handle.step_end(k, lr0, self._take_overhead(), lrs))
+    def _post_step(self, k: int, opt, args, kwargs):
+        _step_counts[opt] = _step_counts.get(opt, 0) + 1
+        if self._closed:
+            return
+        self._watched.clear()  # a loss is watched once per step (Note [Loss roots])
+        t0 = time.perf_counter()
+        wrapped = self._closures.pop(k, None)
+        if wrapped is not None and wrapped.calls > 1:
+            self._line_search.add(k)  # Note [Closure steps]
+        lrs = _group_lrs(opt)
+        # A line-search optimizer may leave the weights unchanged by its own tests (converged):
+        # judged as a step that expects no move, like a learning rate of 0 (Note [Closure steps]).
+        lr0 = all(lr == 0 for lr in lrs) or k in self._line_search
+        if k not in self._stepping:
+            # No pre-hook for this step: it was in flight when this sanitizer attached (or its
+            # closure was never called).
+            self._handle.step_in_flight(k)
+        self._stepping.discard(k)
+        self._py_overhead += time.perf_counter() - t0
+        self._apply(self._handle.step_end(k, lr0, self._take_overhead(), lrs))
 
-        return hook
-
-    def _make_activation_hook(self, name: str):
-        def hook(module, args, output):
-            if self._closed or not torch.is_grad_enabled():
-                return
-            outs = [t for t in _flat_tensors(output, []) if t.is_floating_point()]
-            if outs:
-                self._apply(self._handle.module_output(name, type(module).__name__, outs))
-
-        return hook
+    def _activation(self, name: str, module, args, output):
+        if self._closed or not torch.is_grad_enabled():
+            return
+        outs = [t for t in _flat_tensors(output, []) if t.is_floating_point()]
+        if outs:
+            self._apply(self._handle.module_output(name, type(module).__name__, outs))
 
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
         self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
@@ -448,8 +603,12 @@ class Sanitizer:
         if getattr(self, "_loss_patched", False):
             self._loss_patched = False
             _loss_patch.release()
-        if _attached.get(self._model) is self:
+        ref = _attached.get(self._model)
+        if ref is not None and ref() in (self, None):
             del _attached[self._model]
+        if self._getstate_patched:
+            self._getstate_patched = False
+            _getstate_patch.release()
         self._apply(self._handle.close())
 
     @property
@@ -469,7 +628,17 @@ class Sanitizer:
                 pass
 
     def __del__(self):
+        # Note [Sanitizer lifetime]: dropped without close().
         try:
+            if not self._closed and hasattr(self, "_handle"):
+                warnings.warn(
+                    "trainsan: a Sanitizer was garbage-collected without close(); its hooks are "
+                    "removed and it checks nothing more. Keep the object attach() returns "
+                    "(san = trainsan.attach(...)) for as long as you train, and close() it or use "
+                    "`with trainsan.attach(...) as san:`",
+                    ResourceWarning if sys.is_finalizing() else UserWarning,
+                    stacklevel=2,
+                )
             if not self._closed:
                 self.close()
         except Exception:
@@ -524,7 +693,7 @@ def attach(
         )
     if optimizer is None:
         opts: list = []
-    elif isinstance(optimizer, torch.optim.Optimizer):
+    elif isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
         opts = [optimizer]
     else:
         try:
@@ -534,11 +703,18 @@ def attach(
                 "trainsan.attach: optimizer must be a torch.optim.Optimizer or a list of them, "
                 f"got {type(optimizer).__name__}"
             ) from None
+    opts = [_unwrap_optimizer(o) for o in opts]
     for k, o in enumerate(opts):
-        if not isinstance(o, torch.optim.Optimizer):
+        if not isinstance(o, torch.optim.Optimizer) or "_optimizer_step_pre_hooks" not in o.__dict__:
+            if isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"trainsan.attach: optimizer[{k}] ({type(o).__name__}) is a torch optimizer "
+                    "whose __init__ did not call torch.optim.Optimizer.__init__, so it has no step "
+                    "hooks; pass the torch optimizer it wraps"
+                )
             raise TypeError(
-                f"trainsan.attach: optimizer[{k}] must be a torch.optim.Optimizer, got "
-                f"{type(o).__name__}"
+                f"trainsan.attach: optimizer[{k}] must be a torch.optim.Optimizer (or a wrapper "
+                f"holding one in .optimizer), got {type(o).__name__}"
             )
         if not any(len(g["params"]) for g in o.param_groups):
             raise ValueError(f"trainsan.attach: optimizer[{k}] has no parameters")
@@ -552,6 +728,13 @@ def attach(
             f"trainsan.attach: unknown option(s) {', '.join(unknown)}; valid options: "
             + ", ".join(sorted(set(OPTIONS) - {"policy", "trace"}))
         )
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"trainsan.attach: {len(meta)} parameter(s) of the model are on the meta device "
+            f"(not materialised; e.g. {meta[0]!r}); attach after model.to_empty(device=...) and "
+            "loading the weights, so TrainSan watches the real parameters"
+        )
     checks = dict(checks or {})
     bad = sorted(set(checks) - set(KINDS))
     if bad:
@@ -560,12 +743,13 @@ def attach(
             "implements); valid kinds: "
             + ", ".join(sorted(KINDS))
         )
-    prev = _attached.get(model)
+    ref = _attached.get(model)
+    prev = ref() if ref is not None else None
     if prev is not None and not prev.closed:
         raise RuntimeError(
             "trainsan.attach: this model already has a sanitizer attached; close() it first "
             "(or use `with trainsan.attach(...) as san:`)"
         )
     san = Sanitizer(model, opts, policy, trace, checks, options)
-    _attached[model] = san
+    _attached[model] = weakref.ref(san)
     return san

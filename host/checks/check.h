@@ -207,6 +207,7 @@ class StepIntegrityCheck {  // step_integrity.cpp: skipped_step (3 rules), updat
 
  private:
   void unchanged_tensors(const StepView& v);
+  static bool visible_move(const StepView& v);
   FindingSink& sink_;
   const Options& opts_;
   bool probe_request_ = false;

@@ -82,7 +82,7 @@ void StepIntegrityCheck::on_step(const StepView& v) {
     }
   }
   const StepTotals& t = v.totals;
-  if (t.any_update && !v.lr_zero && t.grad_norm > 0.0 && t.changed == 0) {
+  if (t.any_update && !v.lr_zero && t.grad_norm > 0.0 && t.changed == 0 && visible_move(v)) {
     sink_.add(Kind::skipped_step, "",
               "optimizer.step() ran but changed no parameter although the gradients are nonzero "
               "— the optimizer holds other tensors than the model's parameters (built before the "
@@ -105,6 +105,26 @@ void StepIntegrityCheck::on_step(const StepView& v) {
 // learning rate for SGD, less for adaptive optimizers), must exceed 4 ulp of its largest weight
 // (eps * max|θ| bounds the ulp of every element). A step that moved nothing is the whole-step rule
 // above (a converged LBFGS, a failed line search: not this rule).
+// Whether the step should have moved some parameter visibly: one of the stepping optimizer's
+// trainable parameters has a finite nonzero gradient and a learning rate that is unknown, or a
+// gradient or predicted move (lr * max|g|) that exceeds 4 ulp of its largest weight (the
+// gradient alone: a learning rate so small that it rounds every update away is the bug). A step
+// that moves nothing because its gradients are below what the weights can register (an LBFGS
+// that has converged, tolerance_grad 1e-7, returns without an update) is not a skipped step.
+bool StepIntegrityCheck::visible_move(const StepView& v) {
+  for (const ParamView& p : v.params) {
+    const bool stepped = p.opt >= 0 && (v.opt < 0 || p.opt == v.opt);
+    if (!stepped || !p.trainable || !p.grad || p.grad->nonfinite() > 0 || p.lr == 0.0) continue;
+    // max|g| (its norm bounds it from above where the pass has no absmax)
+    const double g = p.grad->absmax ? *p.grad->absmax : p.grad->l2;
+    if (!(g > 0.0)) continue;
+    if (std::isnan(p.lr)) return true;
+    const double w = p.param.absmax ? *p.param.absmax : 0.0;
+    if (std::max(1.0, std::abs(p.lr)) * g > 4.0 * std::max(p.eps, 0.0) * w) return true;
+  }
+  return false;
+}
+
 void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
   double largest_move = 0.0;
   double lr_est = std::numeric_limits<double>::infinity();

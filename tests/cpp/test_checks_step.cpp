@@ -448,6 +448,32 @@ TEST(StepIntegrityCheck, StepThatChangedNothing) {
   EXPECT_EQ(sink.calls[0].value, 0.0);
 }
 
+// A step that moves nothing because every gradient is below what the weights can register (an
+// LBFGS that has converged returns without an update) is not a skipped step; the same step with a
+// gradient the weights do register, or a learning rate that rounds every update away, is.
+TEST(StepIntegrityCheck, StepThatChangedNothingBelowWhatTheWeightsRegister) {
+  Options o;
+  auto step = [](double grad_max, double lr) {
+    StepView v;
+    v.params = {param(0, "w")};
+    v.params[0].update = UpdateStats{0, 0.0, 0.0};
+    v.params[0].grad->absmax = grad_max;
+    v.params[0].param.absmax = 1.0;
+    v.params[0].eps = 1.1920928955078125e-07;  // float32
+    v.params[0].lr = lr;
+    compute_totals(v);
+    return v;
+  };
+  FakeSink sink;
+  StepIntegrityCheck c(sink, o);
+  c.on_step(step(1e-8, 1.0));  // 1e-8 < 4 ulp(1.0) = 4.8e-7: converged, nothing to register
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(step(1e-3, 1.0));
+  EXPECT_EQ(sink.calls.size(), 1u);
+  c.on_step(step(0.5, 1e-30));  // the learning rate underflows
+  EXPECT_EQ(sink.calls.size(), 2u);
+}
+
 TEST(StepIntegrityCheck, UpdateOutsideStepOnePerParameter) {
   FakeSink sink;
   sink.enabled[Kind::update_outside_step] = true;  // opt-in
