@@ -64,6 +64,7 @@ class LabelGuard(TorchFunctionMode):
         self._host_only = host_only  # only targets on a CPU (no device sync without sync=True)
         self._pushed = False
         self._active = False
+        self.compiled = False  # compiled code ran in its window: stays off (Note [Compiled regions])
         _GUARDS.add(self)
 
     @staticmethod
@@ -76,6 +77,10 @@ class LabelGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Traced into a compiled region (Note [Compiled regions] in _compile.py): no check
+            # there; this guard has been switched off for the next windows.
+            return func(*args, **kwargs)
         if self._active:
             spec = _CLASS_INDEX.get(func)
             if spec is not None:
@@ -100,6 +105,12 @@ class LabelGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def push(self) -> None:
+        if self.compiled:
+            # Compiled code ran in an audited window (Note [Compiled regions]): the mode stays off
+            # (dynamo guards on the mode stack; pushing it on audited steps only would recompile
+            # whenever the window opens or closes).
+            self.pop()
+            return
         self.pop()
         if not self._pushed:
             torch._C._push_on_torch_function_stack(self)

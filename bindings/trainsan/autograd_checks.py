@@ -224,7 +224,12 @@ def _function_apply() -> list:
 
     def apply(cls, *args, **kwargs):
         users = [c for c in _fn_users if c.wants(cls)]
-        if not users or _state["in_gradcheck"] or not torch.is_grad_enabled():
+        if (
+            not users
+            or _state["in_gradcheck"]
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()  # traced: Note [Compiled regions] in _compile.py
+        ):
             return orig_fn(cls, *args, **kwargs)
         copies = _copies(args)
         out = orig_fn(cls, *args, **kwargs)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _native
+from . import _compile, _native
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
 from .stats import TensorStats
@@ -117,22 +117,51 @@ _ACTIONS = ("none", "warn", "raise")  # trainsan::Action, as the op library retu
 # EMA or best-model copy, or a saved whole module, carries no sanitizer and no reference to one.
 
 
+_EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
+
+
 class _Hook:
     """A module/optimizer hook that calls `method` of a sanitizer held weakly (Note [Sanitizer
-    lifetime]), with `args` before the hook's own arguments. A no-op once the sanitizer is gone."""
+    lifetime]), with `args` before the hook's own arguments. A no-op once the sanitizer is gone.
+    Traced by dynamo (Note [Compiled regions] in _compile.py): activation hooks vanish, the root
+    pre-hook returns where a compiled call's entry reports the forward, and otherwise the root
+    pre-hook and the step hooks call `_eager`, a torch._dynamo.disable()d copy (one break)."""
 
-    __slots__ = ("_ref", "_method", "_args", "__weakref__")
+    __slots__ = ("_ref", "_method", "_args", "_eager", "__weakref__")
 
     def __init__(self, san: "Sanitizer", method: str, *args: Any):
         self._ref = weakref.ref(san)
         self._method = method
         self._args = args
+        self._eager = None
+        if method in _EAGER_METHODS:
+            san._eager_hooks.append(weakref.ref(self))
+            if _compile.dynamo() is not None:
+                self.make_eager()
 
-    def __call__(self, *args: Any) -> Any:
+    def make_eager(self) -> None:
+        if self._eager is None:
+            self._eager = _compile.dynamo().disable(self._run)
+
+    def _run(self, *args: Any) -> Any:
         san = self._ref()
         if san is None:
             return None
         return getattr(san, self._method)(*self._args, *args)
+
+    def __call__(self, *args: Any) -> Any:
+        eager = self._eager
+        if _compile.is_compiling():
+            if eager is None:
+                return None  # activation hooks: traced away
+            if self._method == "_on_forward":
+                san = self._ref()
+                if san is None or san._in_compiled:
+                    return None  # a compiled module's entry reports this forward
+            return eager(*args)  # no entry of ours: leave the graph here (one break)
+        if eager is not None:
+            return eager(*args)  # never compiled, even from a frame dynamo fell back on
+        return self._run(*args)
 
 
 def _weak_method(bound) -> Any:
@@ -254,6 +283,9 @@ class Sanitizer:
         self._optimizers = list(optimizers)
         self._closed = False
         self._getstate_patched = False
+        self._compile_patched = False
+        self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
+        self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
         # Set once this sanitizer holds a reference on the GradScaler patch: an __init__ that
         # raises (bad trace path, bad option) is still close()d by __del__, and must not release
         # a reference it never took (the count would go negative and AMP skips go unseen).
@@ -275,6 +307,17 @@ class Sanitizer:
             k, gi = where.get(id(p), (-1, 0))
             opt_index.append(k)
             group_index.append(gi)
+        live = {id(p) for p in params}
+        for k, opt in enumerate(self._optimizers):
+            held = [p for g in opt.param_groups for p in g["params"]]
+            if held and params and not any(id(p) in live for p in held):
+                raise ValueError(
+                    f"trainsan.attach: optimizer[{k}] ({type(opt).__name__}) holds none of the "
+                    "model's parameters, so its steps cannot train this model: it was built on "
+                    "tensors the model no longer uses (before fully_shard(), before the model was "
+                    "moved with swapped parameters, rebuilt or loaded anew?). Build the optimizer "
+                    "on the model as it is now (e.g. after fully_shard), then attach"
+                )
         if not params:
             raise ValueError(
                 "trainsan.attach: the model has no parameters; attach to the module you train"
@@ -356,6 +399,8 @@ class Sanitizer:
         _loss_patch.acquire()
         self._loss_patched = True
         _open_sanitizers.add(self)
+        _compile.compile_patch.acquire()
+        self._compile_patched = True
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
         # is part of it, and its post-hook comes without a pre-hook (_make_post_step).
         self._stepping: set = set()
@@ -379,8 +424,8 @@ class Sanitizer:
                 warnings.warn(t[4], TrainingBugWarning, stacklevel=3)
 
     def _on_forward(self, module, args, kwargs):
-        if self._closed:
-            return None
+        if self._closed or self._in_compiled:
+            return None  # (a compiled call's entry reported this forward: Note [Compiled regions])
         t0 = time.perf_counter()
         training = module.training
         if training and torch.is_grad_enabled():
@@ -609,6 +654,10 @@ class Sanitizer:
         if self._getstate_patched:
             self._getstate_patched = False
             _getstate_patch.release()
+        if self._compile_patched:
+            self._compile_patched = False
+            _compile.unwrap_compiled_call(self._model)
+            _compile.compile_patch.release()
         self._apply(self._handle.close())
 
     @property
@@ -691,6 +740,9 @@ def attach(
         raise TypeError(
             f"trainsan.attach: model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    # attach(torch.compile(model)): watch the module inside (its parameter names, no "_orig_mod.");
+    # its forward is reported at the compiled call's entry (Note [Compiled regions]).
+    model = _compile.unwrap_compiled(model)
     if optimizer is None:
         opts: list = []
     elif isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups"):
@@ -752,4 +804,5 @@ def attach(
         )
     san = Sanitizer(model, opts, policy, trace, checks, options)
     _attached[model] = weakref.ref(san)
+    _compile.wrap_compiled_call(model)  # model.compile() before attach (Note [Compiled regions])
     return san
