@@ -65,7 +65,7 @@ void GradTracker::install() {
   self_token_ = std::make_shared<GradTracker*>(this);
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].param;
-    if (!p.requires_grad() || !p.is_leaf()) {
+    if (!p.requires_grad() || !p.is_leaf() || params_[i].external) {
       accumulators_.emplace_back();
       hook_keys_.push_back(0);
       pre_hooks_.push_back(nullptr);
@@ -293,7 +293,7 @@ void GradTracker::on_grad_accumulated(size_t i) {
   s.consumed_latest = false;
   record(g, &s);
   if (probe_steps_ > 0) {  // Note [Zero gradients]
-    if (g.layout() == at::kStrided) {
+    if (g.layout() == at::kStrided && !params_[i].local.defined()) {
       const at::NoGradGuard no_grad;
       s.probe = g.ne(0).any();
     } else {

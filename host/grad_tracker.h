@@ -80,8 +80,12 @@ struct GradState {
 struct TrackedParam {
   std::string name;
   at::Tensor param;
-  int64_t opt = -1;   // index of the optimizer holding it, -1 when in none
-  int64_t group = 0;  // its param group in that optimizer
+  int64_t opt = -1;       // index of the optimizer holding it, -1 when in none
+  int64_t group = 0;      // its param group in that optimizer
+  at::Tensor local;       // distributed: this process's shard of the parameter (else undefined)
+  at::Tensor local_grad;  // distributed: the shard of its gradient at the last local_shards()
+  bool external = false;  // accumulations reported by the caller (FSDP2), no AccumulateGrad hook
+  const at::Tensor& data() const { return local.defined() ? local : param; }
 };
 
 /// What a step consumes of one parameter's gradient (GradTracker::consume).
@@ -126,6 +130,13 @@ class GradTracker {
 
   void before_accumulation(size_t index);  // the pre-hook body (engine threads)
   void on_grad_accumulated(size_t index);  // the post-hook body (engine threads)
+  /// TrackedParam::external: FSDP2 has assigned or accumulated the gradient (its accumulation,
+  /// grad._local_tensor += ..., leaves the DTensor's identity and version as they were before, so
+  /// what it was accumulated onto can still be told now).
+  void external_accumulation(size_t index) {
+    before_accumulation(index);
+    on_grad_accumulated(index);
+  }
 
   /// The key of a gradient's version counter: its storage (views of one DDP bucket share it).
   static const void* storage_key(const at::Tensor& g);

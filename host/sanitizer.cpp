@@ -43,7 +43,14 @@ std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps) {
   for (auto& p : ps) {
     TORCH_CHECK_TYPE(p.tensor.defined(), "trainsan::Sanitizer: parameter '", p.name,
                      "' is undefined");
-    out.push_back({std::move(p.name), std::move(p.tensor), p.optimizer, p.group});
+    TrackedParam t;
+    t.name = std::move(p.name);
+    t.param = std::move(p.tensor);
+    t.opt = p.optimizer;
+    t.group = p.group;
+    if (p.local.defined() && !p.local.is_same(t.param)) t.local = std::move(p.local);
+    t.external = p.external_grad_hook;
+    out.push_back(std::move(t));
   }
   TORCH_CHECK_VALUE(!out.empty(),
                     "trainsan::Sanitizer: no parameters given; pass "
@@ -217,7 +224,7 @@ void SanitizerImpl::check_updates_outside_step(int64_t opt) {
     for (size_t i = 0; i < params.size(); ++i) {
       if (opt >= 0 && params[i].opt != opt) continue;
       const at::Tensor& snap = snapshots[i];
-      const at::Tensor& prm = params[i].param;
+      const at::Tensor& prm = params[i].data();
       if (!snap.defined() || snap.sizes() != prm.sizes() || snap.device() != prm.device() ||
           snap.scalar_type() != prm.scalar_type()) {
         continue;
@@ -415,6 +422,26 @@ void Sanitizer::step_in_flight(int64_t opt) {
 }
 
 void Sanitizer::amp_skip(int64_t opt) { impl_->amp_skip(opt); }
+
+void Sanitizer::local_shards(const std::vector<int64_t>& indices,
+                             const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK_VALUE(indices.size() == params.size() && indices.size() == grads.size(),
+                    "local_shards: indices, params and grads differ in length");
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const int64_t i = indices[k];
+    TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < impl_->params.size(),
+                      "local_shards: no parameter ", i);
+    impl_->params[i].local = params[k];
+    impl_->params[i].local_grad = grads[k];
+  }
+}
+
+void Sanitizer::grad_accumulated(int64_t index) {
+  TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < impl_->params.size(),
+                    "grad_accumulated: no parameter ", index);
+  if (!impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(index));
+}
 
 void Sanitizer::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs) {
   impl_->module_output(module, outputs);

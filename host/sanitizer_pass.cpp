@@ -108,14 +108,14 @@ void SanitizerImpl::initial_param_norms() {
   std::map<DevKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].param.requires_grad()) {
-      snapshots[i] = params[i].param.detach().clone(at::MemoryFormat::Contiguous);
+      snapshots[i] = params[i].data().detach().clone(at::MemoryFormat::Contiguous);
     }
-    groups[key_of(params[i].param)].push_back(i);
+    groups[key_of(params[i].data())].push_back(i);
   }
   // Norms before the first step, for the first update ratio: one fused pass per device.
   for (const auto& [dev, idx] : groups) {
     std::vector<at::Tensor> ts;
-    for (const size_t i : idx) ts.push_back(params[i].param.detach());
+    for (const size_t i : idx) ts.push_back(params[i].data().detach());
     try {
       const std::vector<TensorStats> st = unpack_stats(tensor_stats_packed(ts));
       for (size_t j = 0; j < idx.size(); ++j) {
@@ -198,7 +198,9 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     p->grad_row.assign(n, -1);
     p->param_row.assign(n, -1);
     for (size_t k = 0; k < n; ++k) {
-      const at::Tensor& g = params[p->indices[k]].param.grad();
+      const TrackedParam& tp = params[p->indices[k]];
+      // A distributed parameter: the local shard of its gradient (local_shards()).
+      const at::Tensor g = tp.local.defined() ? tp.local_grad : tp.param.grad();
       // Manual loops clear gradients (zero_ / None) after their update and before the next
       // forward, where this pass runs: only a gradient as the backward left it is checked.
       const bool untouched = !manual || !g.defined() || grads.as_backward_left(p->indices[k]);
@@ -208,7 +210,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     }
     for (size_t k = 0; k < n; ++k) {
       const size_t i = p->indices[k];
-      const at::Tensor& prm = params[i].param;
+      const at::Tensor& prm = params[i].data();
       at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
       if (snap.defined() && (snap.device() != prm.device() || snap.numel() != prm.numel() ||
                              snap.scalar_type() != prm.scalar_type())) {

@@ -90,6 +90,9 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
                       "] is quantized; call .dequantize() first");
     TORCH_CHECK_VALUE(!t.is_meta(), fn, ": tensors[", i,
                       "] is a meta tensor, which holds no data to compute statistics of");
+    TORCH_CHECK_VALUE(!t.unsafeGetTensorImpl()->is_python_dispatch(), fn, ": tensors[", i,
+                      "] is a tensor subclass without storage of its own (DTensor, FakeTensor, "
+                      "...); pass its local data (DTensor: ._local_tensor / .to_local())");
     TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), fn, ": tensors[", i,
                       "] is on device ", t.device(), "; only CPU and CUDA tensors are supported");
     TORCH_CHECK_TYPE(to_dtype(t.scalar_type()).has_value(), fn, ": tensors[", i, "] has dtype ",
@@ -135,6 +138,21 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     d.ndim = nd;
     d.contiguous = (nd == 1 && d.strides[0] == 1) ? 1 : 0;
+    // A wrapper subclass (DTensor) or a tensor whose storage was freed (FSDP resizes the
+    // storage of unsharded parameters to 0 between uses) has no data to read: refuse it here,
+    // where every pass (the step pass included, which skips check_tensors) goes through.
+    if (d.numel > 0) {
+      TORCH_CHECK_VALUE(!t.unsafeGetTensorImpl()->is_python_dispatch(), "trainsan: tensors[", i,
+                        "] is a tensor subclass without storage of its "
+                        "own (DTensor, ...); its local data must be passed instead");
+      int64_t last = t.storage_offset();
+      for (int64_t k = 0; k < t.dim(); ++k) last += (t.size(k) - 1) * t.stride(k);
+      const auto need = static_cast<size_t>(last + 1) * t.element_size();
+      TORCH_CHECK_VALUE(t.unsafeGetTensorImpl()->unsafe_storage().nbytes() >= need,
+                        "trainsan: tensors[", i, "] has no data in memory (its storage holds ",
+                        t.unsafeGetTensorImpl()->unsafe_storage().nbytes(), " bytes, ", need,
+                        " needed: freed or resized, e.g. an FSDP unsharded parameter)");
+    }
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
     d.snapshot = nullptr;
     d.no_hash = (no_hash != nullptr && (*no_hash)[i]) ? 1 : 0;

@@ -98,7 +98,8 @@ struct SanitizerHandle : torch::CustomClassHolder {
                   std::vector<std::string> module_types, std::vector<std::string> skip_frames,
                   bool manual, std::vector<int64_t> group_index,
                   std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
-                  std::vector<int64_t> module_mode_dependent) {
+                  std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
+                  std::vector<int64_t> external) {
     TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
                       "Sanitizer: names, params and opt_index differ in length");
     TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
@@ -109,7 +110,9 @@ struct SanitizerHandle : torch::CustomClassHolder {
     TORCH_CHECK_VALUE(group_index.empty() || group_index.size() == names.size(),
                       "Sanitizer: names and group_index differ in length");
     for (size_t i = 0; i < names.size(); ++i) {
-      ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i]});
+      ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i],
+                    i < locals.size() ? locals[i] : at::Tensor(),
+                    i < external.size() && external[i] != 0});
     }
     trainsan::Setup setup;
     // Per module: how many of module_params (flat) are its own, and whether its forward depends on
@@ -166,7 +169,7 @@ TORCH_LIBRARY(trainsan, m) {
                        c10::Dict<std::string, std::string>, std::string, std::vector<std::string>,
                        std::vector<std::string>, std::vector<std::string>, bool,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>>())
+                       std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward",
            [](const H& h, bool training, std::vector<at::Tensor> inputs,
               c10::List<bool> module_eval, double extra_s, int64_t data_restarts) {
@@ -192,6 +195,14 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("step_in_flight", [](const H& h, int64_t opt) { h->san->step_in_flight(opt); })
       .def("amp_skip", [](const H& h, int64_t opt) { h->san->amp_skip(opt); })
+      .def("local_shards",
+           [](const H& h, std::vector<int64_t> indices, std::vector<at::Tensor> params,
+              std::vector<std::optional<at::Tensor>> grads) {
+             std::vector<at::Tensor> g;
+             for (auto& t : grads) g.push_back(t.value_or(at::Tensor()));
+             h->san->local_shards(indices, params, g);
+           })
+      .def("grad_accumulated", [](const H& h, int64_t i) { h->san->grad_accumulated(i); })
       .def("module_output",
            [](const H& h, std::string name, std::string type, std::vector<at::Tensor> outputs) {
              h->san->module_output({std::move(name), std::move(type)}, outputs);

@@ -50,6 +50,15 @@ def _fingerprintable(t: torch.Tensor) -> bool:
     )
 
 
+def _resident(t: torch.Tensor) -> bool:
+    """Whether t's elements are in memory: FSDP frees the storage of unsharded parameters
+    (resize to 0 bytes) after the forward and all-gathers it again just before their backward."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     """float64 [2], compared through its bits (Note [Saved-tensor fingerprint])."""
     if t.is_floating_point():
@@ -165,6 +174,8 @@ class SavedTensorCheck:
         """Backward has started: fingerprint every pending saved tensor again, in one pass."""
         pending, self._pending = self._pending, []
         self._open = False
+        # Not resident now (freed until their own backward: FSDP): fingerprinted alone at unpack.
+        pending = [r for r in pending if _resident(r.alias)]
         if not pending:
             return
         try:
@@ -195,9 +206,9 @@ class SavedTensorCheck:
         if self._open or self._pending:
             self._flush()
         changed = rec.changed
-        if changed is None:  # saved in an earlier window: fingerprint it alone
+        if changed is None:  # saved in an earlier window, or not resident at the flush: alone
             try:
-                changed = bool((_fingerprint(a) != rec.before).any().item())
+                changed = _resident(a) and bool((_fingerprint(a) != rec.before).any().item())
             except Exception:
                 changed = False
         rec.before = None  # checked once (a second backward with retain_graph is not rechecked)

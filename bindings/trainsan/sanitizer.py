@@ -307,17 +307,6 @@ class Sanitizer:
             k, gi = where.get(id(p), (-1, 0))
             opt_index.append(k)
             group_index.append(gi)
-        live = {id(p) for p in params}
-        for k, opt in enumerate(self._optimizers):
-            held = [p for g in opt.param_groups for p in g["params"]]
-            if held and params and not any(id(p) in live for p in held):
-                raise ValueError(
-                    f"trainsan.attach: optimizer[{k}] ({type(opt).__name__}) holds none of the "
-                    "model's parameters, so its steps cannot train this model: it was built on "
-                    "tensors the model no longer uses (before fully_shard(), before the model was "
-                    "moved with swapped parameters, rebuilt or loaded anew?). Build the optimizer "
-                    "on the model as it is now (e.g. after fully_shard), then attach"
-                )
         if not params:
             raise ValueError(
                 "trainsan.attach: the model has no parameters; attach to the module you train"
@@ -328,6 +317,11 @@ class Sanitizer:
             opts["trace"] = os.fspath(trace)
         for kind, on in checks.items():
             opts["check." + kind] = _opt_str(bool(on))
+        _check_optimizers_hold_model(self._optimizers, params)
+        self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
+        fsdp_ids = _fsdp_sharded_ids(model)
+        external = [int(id(p) in fsdp_ids) for p in params]
+        locals_ = [p._local_tensor if _is_dtensor(p) else p for p in params]
         index = {}
         for k, p in enumerate(params):
             index.setdefault(id(p), k)
@@ -347,7 +341,17 @@ class Sanitizer:
             [len(own) for _, _, own, _ in modes],
             [i for _, _, own, _ in modes for i in own],
             [int(dep) for _, _, _, dep in modes],
+            locals_,
+            external,
         )
+        for k, p in enumerate(params):
+            if external[k]:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, k=k, h=self._handle: h.grad_accumulated(k)
+                    )
+                )
+        self._dt_params = [params[k] for k in self._dt_index]
         # Policy "raise": class-index targets are checked before the loss runs
         # (trainsan/audit.py) — targets on a CPU always (a host read, no sync), device targets
         # with sync=True; otherwise the C++ op audit reports at the next event.
@@ -506,6 +510,13 @@ class Sanitizer:
             # closure was never called).
             self._handle.step_in_flight(k)
         self._stepping.discard(k)
+        if self._dt_index:
+            ps = self._dt_params
+            self._handle.local_shards(
+                self._dt_index,
+                [p._local_tensor for p in ps],
+                [None if p.grad is None else p.grad._local_tensor for p in ps],
+            )
         self._py_overhead += time.perf_counter() - t0
         self._apply(self._handle.step_end(k, lr0, self._take_overhead(), lrs))
 
@@ -541,7 +552,7 @@ class Sanitizer:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
         if self._closed or not self._first_watch(loss):
             return
-        self._apply(self._handle.loss(loss))
+        self._apply(self._handle.loss(_local(loss)))
 
     def _take_overhead(self) -> float:
         t, self._py_overhead = self._py_overhead, 0.0
@@ -556,7 +567,7 @@ class Sanitizer:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"watch_loss: expected a tensor, got {type(loss).__name__}")
         if not self._closed and self._first_watch(loss):
-            self._apply(self._handle.loss(loss))
+            self._apply(self._handle.loss(_local(loss)))
         return loss
 
     @property
@@ -692,6 +703,57 @@ class Sanitizer:
                 self.close()
         except Exception:
             pass
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's data of a tensor: a DTensor's local shard (for a replicated loss, the whole
+    value), a plain tensor itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
+    """ids of the FSDP2 sharded parameters of the model (fully_shard), empty without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # noqa: BLE001
+        return set()
+    out = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.update(id(fp.sharded_param) for fp in group.fsdp_params)
+    return out
+
+
+def _check_optimizers_hold_model(optimizers, params) -> None:
+    """An optimizer that holds none of the model's parameters updates tensors the model does not
+    use: it was built before the parameters were replaced (fully_shard, distribute_module, ...)."""
+    ids = {id(p) for p in params}
+    for k, opt in enumerate(optimizers):
+        held = [p for g in opt.param_groups for p in g["params"]]
+        if held and not any(id(p) in ids for p in held):
+            sharded = any(_is_dtensor(p) for p in params) and not any(_is_dtensor(p) for p in held)
+            raise ValueError(
+                f"trainsan.attach: optimizer[{k}] holds none of the model's parameters "
+                f"({len(held)} tensor(s), none of them in model.parameters()) — "
+                + ("the model's parameters are sharded DTensors and the optimizer's are not: "
+                   "it was built before fully_shard (or distribute_module) replaced them, so it "
+                   "updates tensors the model no longer uses; build the optimizer after "
+                   "fully_shard(model)"
+                   if sharded else
+                   "it was built before the model's parameters were replaced (fully_shard, "
+                   "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
+                   "another model; build it from model.parameters() of the model you train")
+            )
 
 
 def _opt_str(v: Any) -> str:

@@ -56,7 +56,8 @@ void GradientFlowCheck::on_step(const StepView& v) {
   // grad_vanishing: counted on every step with a gradient (also at lr 0), reported only when
   // the learning rate is nonzero.
   for (const ParamView& p : v.params) {
-    if (!p.grad) continue;
+    // An empty gradient (this rank's shard of a parameter split unevenly) says nothing.
+    if (!p.grad || p.grad->numel == 0) continue;
     const TensorStats& g = *p.grad;
     int64_t& steps = vanishing_steps_[p.index];
     const bool vanished =

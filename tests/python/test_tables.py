@@ -111,7 +111,7 @@ def test_unknown_check_is_rejected_by_cpp_too():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="unknown check 'rank_desync'"):
         torch.classes.trainsan.Sanitizer(
-            ["p"], [p], [0], {"check.rank_desync": "true"}, "", [], [], [], False, [0], [], [], []
+            ["p"], [p], [0], {"check.rank_desync": "true"}, "", [], [], [], False, [0], [], [], [], [], []
         )
 
 

@@ -28,6 +28,12 @@ struct Parameter {
   at::Tensor tensor;
   int64_t optimizer = 0;  ///< index of its optimizer; -1 when it is in none
   int64_t group = 0;      ///< index of its param group in that optimizer (step_end's group_lr)
+  /// This process's share of a distributed parameter (DTensor: its _local_tensor), whose
+  /// elements the statistics pass reads; undefined: `tensor` itself. Updated by local_shards().
+  at::Tensor local = {};
+  /// The caller reports each gradient accumulation itself (grad_accumulated): FSDP2 assigns the
+  /// reduce-scattered gradient of its sharded parameters; their AccumulateGrad never runs.
+  bool external_grad_hook = false;
 };
 
 /// A module named in findings (eval_mode, nonfinite_activation, no_grad_leak).
@@ -130,6 +136,12 @@ class Sanitizer {
   /// `step(closure)`): instead of step_begin. What remains of that step (closure forwards and
   /// backwards) is part of it, and its step_end is not judged by the step-level rules.
   void step_in_flight(int64_t opt);
+  /// The local shards (DTensor._local_tensor) of parameters `indices` and of their gradients as
+  /// of now (undefined: no gradient), read by the next step pass.
+  void local_shards(const std::vector<int64_t>& indices, const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads);
+  /// A gradient was accumulated into parameter `index` (Parameter::external_grad_hook).
+  void grad_accumulated(int64_t index);
   /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients.
   void amp_skip(int64_t opt);
   /// Outputs of a module (nonfinite_activation, opt-in); reads them at once.
