@@ -400,6 +400,8 @@ class Sanitizer:
             else None
         )
         self._param_ids = {id(p) for p in params}
+        self._tracked = list(zip(names, params))
+        self._live_checked = False  # _check_params_live() at the first step
         _loss_patch.acquire()
         self._loss_patched = True
         _open_sanitizers.add(self)
@@ -488,9 +490,28 @@ class Sanitizer:
         if self._label_guard is not None:
             self._label_guard.pop()
         self._end_autograd_window()
+        if not self._live_checked and not self._closed:
+            self._live_checked = True
+            self._check_params_live()
         if not self._closed:
             self._stepping.add(k)
             self._apply(self._handle.step_begin(k))
+
+    def _check_params_live(self) -> None:
+        """At the first step: the attached parameters must still be the model's. fully_shard,
+        distribute_module, to_empty or load_state_dict(assign=True) after attach() replace them:
+        the hooks and statistics would watch tensors the model no longer uses."""
+        live = {id(p) for p in self._model.parameters()}
+        gone = [n for n, p in self._tracked if id(p) not in live]
+        if gone:
+            raise RuntimeError(
+                f"trainsan: {len(gone)} of the {len(self._tracked)} parameters attached are no "
+                f"longer the model's (e.g. {gone[0]!r}): they were replaced after attach() "
+                "(fully_shard, distribute_module, to_empty, load_state_dict(assign=True), "
+                "parametrizations?), so TrainSan would watch tensors the model no longer uses. "
+                "Replace them first, build the optimizer on the model as it is then, and attach "
+                "last (for FSDP2: fully_shard, then the optimizer, then trainsan.attach)"
+            )
 
     def _post_step(self, k: int, opt, args, kwargs):
         _step_counts[opt] = _step_counts.get(opt, 0) + 1

@@ -65,7 +65,9 @@ CONFIGS = {
 }
 ATTACH = ("ddp", "module")  # attach(ddp_model, ...) or attach(ddp_model.module, ...)
 MODES = [f"{a}-{c}" for a in ATTACH for c in CONFIGS]
-SCENARIOS = ("clean", "no_zero_grad", "nan_input", "detach", "broadcast")
+SCENARIOS = ("clean", "clean_eval_frozen", "no_zero_grad", "nan_input", "detach", "broadcast")
+# "clean_eval_frozen": a clean loop with fc1.bias frozen (requires_grad=False before DDP wraps the
+# model) and an evaluation pass (eval mode, no_grad, through the DDP wrapper) after every step.
 
 # With find_unused_parameters=True the model has two extra heads on fc1's output:
 #  * ``aux`` is used on even steps only — the conditional branch find_unused_parameters exists
@@ -133,6 +135,8 @@ def _run_scenario(rank: int, attach_to: str, config: str, scenario: str) -> dict
     torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     net = Net(cfg["branches"])
     net.detach_hidden = scenario == "detach"
+    if scenario == "clean_eval_frozen":
+        net.fc1.bias.requires_grad_(False)
     ddp = DDP(net, **cfg["ddp"])
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     options = {}
@@ -159,6 +163,11 @@ def _run_scenario(rank: int, attach_to: str, config: str, scenario: str) -> dict
                     loss = F.mse_loss(ddp(x), y) / micro_batches
                     loss.backward()
             opt.step()
+            if scenario == "clean_eval_frozen":
+                ddp.eval()
+                with torch.no_grad():
+                    ddp(_batch(rank, step, 9)[0])
+                ddp.train()
     except RuntimeError as e:
         if scenario != "detach" or DDP_STOPS_ON_UNUSED not in str(e):
             raise
@@ -226,6 +235,15 @@ def _show(findings) -> str:
     """Findings, one a line, for an assertion message."""
     lines = [f"  [{f['severity']}] {f['kind']} step {f['step']}: {f['message']}" for f in findings]
     return "\n".join(lines) or "  (none)"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_parameter_and_evaluation_passes_are_silent(results, mode):
+    for rank, res in enumerate(results):
+        r = res[mode, "clean_eval_frozen"]
+        assert r["steps"] == STEPS, f"rank {rank}: the sanitizer counted {r['steps']} steps"
+        found = {(f["kind"], f["tensor"]) for f in _errors(r)}
+        assert found == _baseline(mode), f"rank {rank}:\n" + _show(_errors(r))
 
 
 @pytest.mark.parametrize("mode", MODES)

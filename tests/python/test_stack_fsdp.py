@@ -72,6 +72,7 @@ SCENARIOS = (
     "fsdp_nan_input",
     "fsdp_no_zero_grad",
     "fsdp_optimizer_before_shard",
+    "fsdp_attach_before_shard",
 )
 
 
@@ -127,10 +128,26 @@ def _run_fsdp(rank: int, scenario: str) -> dict:
 
     torch.manual_seed(0)  # the same full model on every rank before each shards its part
     model = MLP(out=1)  # fc2 has one row: rank 1's dim-0 shard of fc2.weight/bias is empty
-    if scenario == "fsdp_optimizer_before_shard":
+    if scenario in ("fsdp_optimizer_before_shard", "fsdp_attach_before_shard"):
         # BUG (planted): the optimizer holds the unsharded originals; fully_shard replaces the
         # module's parameters with new sharded DTensors, which this optimizer never updates.
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if scenario == "fsdp_attach_before_shard":
+        # ... and the sanitizer is attached before fully_shard too: both watch the originals.
+        san = trainsan.attach(model, opt, policy="record")
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+        fully_shard(model)
+        try:
+            opt.zero_grad()
+            x, y = _fsdp_batch(rank, 0)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the refusal at the first step is the datum
+            return dict(attach_error=None, step_error=f"{type(e).__name__}: {e}")
+        finally:
+            san.close()
+        return dict(_summary(san), attach_error=None, step_error=None)
     fully_shard(model.fc1)
     fully_shard(model.fc2)
     fully_shard(model)
@@ -405,3 +422,12 @@ def test_fsdp_optimizer_built_before_fully_shard(results):
             f"rank {rank}: the optimizer updates tensors the sharded model does not use, and "
             "nothing at step 0 says so:\n" + _show(r["findings"])
         )
+
+
+def test_fsdp_attach_before_fully_shard_is_a_clear_error_at_the_first_step(results):
+    """attach() before fully_shard: the sanitizer (and here the optimizer) hold the originals that
+    fully_shard replaced. The first step says so and what to do (attach after fully_shard)."""
+    for rank, r in enumerate(_ranks(results, "fsdp_attach_before_shard")):
+        err = r.get("step_error")
+        assert err is not None, f"rank {rank}: no error at the first step:\n" + _show(r["findings"])
+        assert "replaced after attach()" in err and "fully_shard" in err, f"rank {rank}: {err}"

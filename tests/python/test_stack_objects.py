@@ -247,3 +247,22 @@ def test_lookahead_style_optimizer_subclass_is_hooked_itself():
                 _step(model, opt, torch.randn(16, 6), torch.randint(0, 3, (16,)))
     assert len(opt._optimizer_step_pre_hooks) == 0
     assert san.step == 4 and _errors(san) == []
+
+
+def test_parameters_replaced_after_attach_are_a_clear_error_at_the_first_step():
+    model, _ = _setup()
+    san = trainsan.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="record")
+    # load_state_dict(assign=True) replaces the Parameter objects; the optimizer is built anew on
+    # them (correctly), but the sanitizer still holds the old ones.
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san.close()
+    san = trainsan.attach(model, opt, policy="record")  # attached after: fine
+    _step(model, opt, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    san.close()
+    model2, opt2 = _setup()
+    san = trainsan.attach(model2, opt2, policy="record")
+    model2.load_state_dict({k: v.clone() for k, v in model2.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"replaced after attach\(\).*attach\s+last"):
+        _step(model2, opt2, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    san.close()
