@@ -8,15 +8,16 @@
 #   build      the op library (and the test programs when GoogleTest is there)
 #   ctest-gpu  the GPU-labelled C++ tests (ctest -L gpu)
 #   pytest     tests/python against the built library (TRAINSAN_LIBRARY, PYTHONPATH=bindings)
+#   stacks-gpu bench/gpu_stacks.py (DDP over single-rank NCCL, FSDP2 world size 1, inductor)
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
 #   gpt2-bench bench/bench_gpt2_gpu.py (sanitizer overhead on a GPT-2-small bf16 training step)
-# The whole run stays within GPU_CHECK_BUDGET_S seconds (default 450, so under 8 minutes): a phase
+# The whole run stays within GPU_CHECK_BUDGET_S seconds (default 540, so under 9 minutes): a phase
 # gets at most its own limit and what is left of the budget.
 #
 # Usage: bash bench/gpu_check.sh [--dry-run]
 #   --dry-run  print the phases, their limits and commands; run nothing
 # Environment: BUILD_DIR (build/gpu), PYTHON (python3), CUDA_ARCHS (90: the H200's sm_90),
-#   JOBS (all cores), GPU_CHECK_BUDGET_S (450), GTEST (auto, or ON/OFF instead of the probe).
+#   JOBS (all cores), GPU_CHECK_BUDGET_S (540), GTEST (auto, or ON/OFF instead of the probe).
 # Logs go to $BUILD_DIR/gpu_check/, and are copied to $OUT when that is set. Exit status: the
 # number of failed phases.
 set -uo pipefail
@@ -37,7 +38,7 @@ BUILD_DIR=${BUILD_DIR:-build/gpu}
 case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$ROOT/$BUILD_DIR" ;; esac
 CUDA_ARCHS=${CUDA_ARCHS:-90}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 8)}
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 LOG_DIR="$BUILD_DIR/gpu_check"
 LIB="$BUILD_DIR/bindings/libtrainsan_ops.so"
 GENERATOR=()
@@ -172,12 +173,23 @@ fi
 if ((!BUILT)); then
   skip_phase pytest "build failed"
 else
-  # Leave the two benchmarks 200 s of the budget whatever pytest takes.
-  PYTEST_LIMIT=$((BUDGET - (SECONDS - T0) - 10 - 200))
+  # Leave the stacks and the two benchmarks 320 s of the budget whatever pytest takes.
+  PYTEST_LIMIT=$((BUDGET - (SECONDS - T0) - 10 - 320))
   ((PYTEST_LIMIT > 180)) && PYTEST_LIMIT=180
   run_phase pytest "$PYTEST_LIMIT" "$(gpu_note "tests/python")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
     "$PY" -m pytest -q -ra -p no:cacheprovider "$ROOT/tests/python"
+fi
+
+# --- stacks -------------------------------------------------------------------------------------
+if ((!BUILT)); then
+  skip_phase stacks-gpu "build failed"
+else
+  # DDP over single-rank NCCL (bucket views), FSDP2 world size 1, torch.compile inductor on CUDA:
+  # clean loops and planted bugs (bench/gpu_stacks.py).
+  run_phase stacks-gpu 120 "$(gpu_note "DDP/NCCL, FSDP2, inductor")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/gpu_stacks.py"
 fi
 
 # --- benchmark ----------------------------------------------------------------------------------
