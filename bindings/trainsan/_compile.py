@@ -120,37 +120,41 @@ def unwrap_compiled_call(module) -> None:
 
 
 class _CompilePatch:
-    """torch.compile, nn.Module.compile and (once dynamo is loaded) OptimizedModule.__call__,
-    wrapped while at least one sanitizer is open (reference counted, as _patches.Patch; the
-    OptimizedModule entry and dynamo's compile-start callback are added late)."""
+    """torch.compile and nn.Module.compile wrapped while at least one sanitizer is open (a
+    _patches.Patch), and OptimizedModule.__call__ with dynamo's compile-start callback added once
+    torch._dynamo is loaded (a second Patch, held while the first is)."""
 
     def __init__(self):
+        from ._patches import Patch
+
         self.users = 0
-        self._saved: list = []  # (owner, name, original, replacement)
-        self._optimized = False
+        self._base = Patch(
+            lambda: [
+                (torch, "compile", _torch_compile(torch.__dict__["compile"])),
+                (torch.nn.Module, "compile", _module_compile(torch.nn.Module.__dict__["compile"])),
+            ]
+        )
+        self._late = Patch(
+            lambda: [
+                (cls, "__call__", _optimized_call(cls.__dict__["__call__"]))
+                for cls in [_optimized_module_cls()]
+            ]
+        )
+        self._late_held = False
         self._callback = None
 
-    def _install(self, owner, name, new) -> None:
-        self._saved.append((owner, name, owner.__dict__[name], new))
-        setattr(owner, name, new)
-
     def acquire(self) -> None:
-        if self.users == 0:
-            self._install(torch, "compile", _torch_compile(torch.__dict__["compile"]))
-            self._install(
-                torch.nn.Module, "compile", _module_compile(torch.nn.Module.__dict__["compile"])
-            )
+        self._base.acquire()
         self.users += 1
         self.dynamo_loaded()
 
     def release(self) -> None:
+        self._base.release()
         self.users -= 1
         if self.users == 0:
-            for owner, name, orig, new in self._saved:
-                if owner.__dict__.get(name) is new:
-                    setattr(owner, name, orig)
-            self._saved = []
-            self._optimized = False
+            if self._late_held:
+                self._late_held = False
+                self._late.release()
             if self._callback is not None and dynamo() is not None:
                 try:
                     dynamo().callback_handler.remove_start_callback(self._callback)
@@ -161,14 +165,11 @@ class _CompilePatch:
     def dynamo_loaded(self) -> None:
         """Once torch._dynamo is loaded: wrap OptimizedModule.__call__, register the
         compile-start callback and give the open sanitizers' hooks their eager copies."""
-        if self.users == 0 or dynamo() is None:
+        if self.users == 0 or dynamo() is None or _optimized_module_cls() is None:
             return
-        if not self._optimized:
-            cls = _optimized_module_cls()
-            if cls is None:
-                return
-            self._optimized = True
-            self._install(cls, "__call__", _optimized_call(cls.__dict__["__call__"]))
+        if not self._late_held:
+            self._late_held = True
+            self._late.acquire()
         if self._callback is None:
             try:
                 self._callback = dynamo().callback_handler.register_start_callback(
