@@ -276,6 +276,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     pv.name = params[i].name;
     pv.opt = params[i].opt;
     pv.trainable = params[i].param.requires_grad();
+    pv.sharded = params[i].local.defined() && params[i].local.numel() != params[i].param.numel();
     pv.observed = p.consumed[k].observed;
     pv.grad_at_step = p.consumed[k].at_step;
     if (p.grad_row[k] >= 0) pv.grad = rows[static_cast<size_t>(p.grad_row[k])].stats;

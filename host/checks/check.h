@@ -55,6 +55,8 @@ struct ParamView {
   std::string name;
   int64_t opt = -1;       ///< index of the optimizer holding it; -1 when in none
   bool trainable = true;  ///< requires_grad
+  /// Its statistics are this process's shard of a larger parameter (FSDP2, tensor parallel).
+  bool sharded = false;
   GradObservation observed;
   GradAtStep grad_at_step = GradAtStep::kAsBackwardLeft;
   std::optional<TensorStats> grad;    ///< empty when there was no gradient to read

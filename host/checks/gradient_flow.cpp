@@ -56,8 +56,9 @@ void GradientFlowCheck::on_step(const StepView& v) {
   // grad_vanishing: counted on every step with a gradient (also at lr 0), reported only when
   // the learning rate is nonzero.
   for (const ParamView& p : v.params) {
-    // An empty gradient (this rank's shard of a parameter split unevenly) says nothing.
-    if (!p.grad || p.grad->numel == 0) continue;
+    // A shard's gradient says nothing about the whole tensor's (the rows of an embedding this
+    // rank holds may be unused for a while, or a rank's shard of an unevenly split one empty).
+    if (!p.grad || p.grad->numel == 0 || p.sharded) continue;
     const TensorStats& g = *p.grad;
     int64_t& steps = vanishing_steps_[p.index];
     const bool vanished =

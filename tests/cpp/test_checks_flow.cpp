@@ -177,6 +177,29 @@ TEST(GradientFlowCheck, GradVanishingRatioBoundary) {
   }
 }
 
+// A shard of a parameter (FSDP2, tensor parallel) that is zero, or empty (an uneven split), says
+// nothing about the whole tensor: grad_vanishing judges whole tensors only.
+TEST(GradientFlowCheck, GradVanishingSkipsShards) {
+  Options o;
+  o.grad_vanishing_steps = 2;
+  FakeSink sink;
+  GradientFlowCheck c(sink, o, 1);
+  for (int64_t s = 0; s < 4; ++s) {
+    StepView v = vanishing_step(s, 0.0);
+    v.params[0].sharded = true;
+    c.on_step(v);
+  }
+  for (int64_t s = 4; s < 8; ++s) {
+    StepView v = vanishing_step(s, 0.0);
+    v.params[0].grad->numel = 0;
+    c.on_step(v);
+  }
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(vanishing_step(8, 0.0));
+  c.on_step(vanishing_step(9, 0.0));
+  EXPECT_EQ(sink.calls.size(), 1u);  // the same gradients, whole: reported
+}
+
 TEST(GradientFlowCheck, GradVanishingCountsUnderLrZeroAndResets) {
   FakeSink sink;
   Options o;
