@@ -60,6 +60,8 @@ class OpAudit {
   /// Stop observing: the first gradient hook of the step (backward has started), the step end,
   /// close(). Cheap when not auditing.
   void stop();
+  /// While paused (nesting), the observer ignores the calling thread's ops and autograd nodes.
+  static void pause_this_thread(bool paused);
   bool auditing() const;
   /// A sanitizer event on the training thread (forward, watch_loss): record what the audit holds
   /// back, a broadcast_tensors whose result no loss took, so that it reaches this event's policy.

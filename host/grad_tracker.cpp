@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -226,6 +227,36 @@ void GradTracker::arm_probe(int64_t steps) {
   probe_steps_ = std::max(probe_steps_, steps);
 }
 
+// Note [Grad identity]: what hooks and callbacks do to the gradients at the end of a backward
+// (DDP's reducer copies the all-reduced bucket back into .grad, in place) is the backward's
+// result, not a clear. The engine runs a graph task's final callbacks in the order queued, and
+// those a callback queues run after the rest; DDP queues its finalize when its last bucket is
+// ready (after our first post-hook), so ours re-queues itself once and runs after DDP's.
+void GradTracker::queue_end_of_backward() {
+  std::weak_ptr<GradTracker*> token = self_token_;
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  engine.queue_callback([token] {
+    if (token.expired()) return;
+    torch::autograd::Engine::get_default_engine().queue_callback([token] {
+      if (auto o = token.lock()) (*o)->end_of_backward();
+    });
+  });
+}
+
+void GradTracker::end_of_backward() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  end_queued_ = false;
+  for (const size_t i : this_backward_) {
+    GradState& s = grad_[i];
+    const at::Tensor& g = params_[i].param.grad();
+    if (!g.defined() || s.last.get() != g.unsafeGetTensorImpl()) continue;
+    // Its storage as the backward (and what ran at its end) left it.
+    StorageSeen& st = seen_version_[storage_key(g)];
+    if (s.clears_seen == st.clears) st.version = g._version();
+  }
+  this_backward_.clear();
+}
+
 void GradTracker::before_accumulation(size_t i) {
   const at::Tensor& g = params_[i].param.grad();
   const std::lock_guard<std::mutex> lock(mu_);
@@ -292,6 +323,11 @@ void GradTracker::on_grad_accumulated(size_t i) {
   s.last = WeakImpl(g);
   s.consumed_latest = false;
   record(g, &s);
+  this_backward_.push_back(i);
+  if (!end_queued_) {
+    end_queued_ = true;
+    queue_end_of_backward();
+  }
   if (probe_steps_ > 0) {  // Note [Zero gradients]
     if (g.layout() == at::kStrided && !params_[i].local.defined()) {
       const at::NoGradGuard no_grad;

@@ -138,6 +138,10 @@ class GradTracker {
     on_grad_accumulated(index);
   }
 
+  /// Runs after the rest of the backward's final callbacks (DDP's finalize): the versions the
+  /// gradients have then are the backward's (Note [Grad identity]).
+  void end_of_backward();
+
   /// The key of a gradient's version counter: its storage (views of one DDP bucket share it).
   static const void* storage_key(const at::Tensor& g);
 
@@ -156,7 +160,10 @@ class GradTracker {
   };
   std::unordered_map<const void*, StorageSeen> seen_version_;
   bool untouched(const at::Tensor& g, const GradState& s) const;  // under mu_
-  void record(const at::Tensor& g, GradState* s);                 // under mu_
+  void queue_end_of_backward();                                   // engine thread, under mu_
+  std::vector<size_t> this_backward_;  // parameters accumulated since the last end_of_backward
+  bool end_queued_ = false;
+  void record(const at::Tensor& g, GradState* s);  // under mu_
   bool in_step_ = false;
   bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
   int64_t backwards_since_step_ = 0;

@@ -497,6 +497,8 @@ bool Sanitizer::hooks_installed() const { return impl_->grads.installed(); }
 
 bool Sanitizer::auditing() const { return impl_->audit->auditing(); }
 
+void Sanitizer::pause_audit(bool paused) { host::OpAudit::pause_this_thread(paused); }
+
 Coverage Sanitizer::coverage() const { return impl_->coverage_now(); }
 
 }  // namespace trainsan

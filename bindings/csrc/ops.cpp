@@ -255,6 +255,8 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("hooks_installed", [](const H& h) { return h->san->hooks_installed(); })
       .def("auditing", [](const H& h) { return h->san->auditing(); })
+      .def("pause_audit",
+           [](const H& /*h*/, bool paused) { trainsan::Sanitizer::pause_audit(paused); })
       .def("coverage",
            [](const H& h) {
              const trainsan::Coverage c = h->san->coverage();

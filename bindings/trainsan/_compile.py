@@ -33,7 +33,10 @@ fullgraph=True. So:
   pushed: a function compiled before attach) switches the guard off for that sanitizer (in the
   latter case after one recompile, at the next step). Under compile its __torch_function__ is a
   pass-through (no call into the sanitizer from traced code). The C++ op audit still sees the ops
-  that run eagerly; ops inside a compiled graph (aot_eager, inductor) are not audited.
+  that run eagerly (a loss computed after the compiled model); it is paused on this thread for
+  the compiled call (Sanitizer::pause_audit): the graph's ops are not audited, and AOTAutograd's
+  joint trace on the first call runs autograd nodes, which would otherwise end the audited window
+  as if backward had begun.
 TrainSan never imports torch._dynamo itself (the import costs seconds): the OptimizedModule entry
 and the disable()d copies are installed once the program has loaded it (torch.compile does).
 """
@@ -83,9 +86,12 @@ def _compiled_forward(san, module, call, args, kwargs):
     if window:
         guard.pop()
     san._in_compiled += 1
+    handle = san._handle
+    handle.pause_audit(True)  # the graph's ops are not audited; its tracing runs autograd nodes
     try:
         out = call(*args, **kwargs)
     finally:
+        handle.pause_audit(False)
         san._in_compiled -= 1
     if window:
         guard.push()

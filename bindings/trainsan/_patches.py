@@ -124,7 +124,8 @@ _loader_patch = Patch(_loader_iteration)
 # to, as watch_loss would: nonfinite_loss, loss_spike, trivial_loss. Which ones: the open
 # sanitizers whose model ran a training forward so far; with one such sanitizer, that one (no graph
 # walk). With several (a GAN's generator and discriminator), the autograd graph is walked from the
-# root until one parameter of each is found (or 20000 nodes): the root goes to the sanitizers whose
+# root until one parameter of each is found (or 20000 nodes; past that, with one candidate, it is
+# taken as its): the root goes to the sanitizers whose
 # parameters it reaches, and when it reaches several, to the one whose latest training forward
 # came first — the upstream model: a generator loss D(G(z)) reaches both G and D, and is G's
 # (the discriminator loss on fake.detach() reaches only D). A loss that should be D's although
@@ -133,7 +134,10 @@ _loader_patch = Patch(_loader_iteration)
 # remembers the unscaled tensor on its result, and the sanitizer gets that one (the scale factor
 # would make loss_spike and trivial_loss wrong). A tensor is watched once per step however it
 # arrives (a backward, watch_loss, both): identity, held weakly, until the next optimizer step.
-# torch.autograd.grad roots are not followed.
+# The walk also runs with one such sanitizer: a root that reaches none of its parameters (an
+# unattached probe model, a fine-tuned copy) is not its loss. The leaves the graph reaches are
+# the attached parameters, or, under FSDP2, the unsharded parameters FSDP swaps in for them
+# (Sanitizer._grad_leaf_ids). torch.autograd.grad roots are not followed.
 _open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
 _WALK_LIMIT = 20000
@@ -141,7 +145,7 @@ _WALK_LIMIT = 20000
 
 def _loss_owners(root: torch.Tensor) -> list:
     cands = [s for s in list(_open_sanitizers) if not s._closed and s._last_train_forward >= 0]
-    if len(cands) <= 1:
+    if not cands:
         return cands
     found: dict = {}
     seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
@@ -154,11 +158,13 @@ def _loss_owners(root: torch.Tensor) -> list:
         var = getattr(node, "variable", None)
         if isinstance(var, torch.Tensor):
             for s in cands:
-                if id(var) in s._param_ids:
+                if id(var) in s._param_ids or id(var) in s._grad_leaf_ids():
                     found.setdefault(s, True)
         stack.extend(fn for fn, _ in node.next_functions)
     if not found:
-        return []
+        # Walked out of budget: with one candidate, it (as before); a graph walked to its end that
+        # reaches none of the attached parameters is another model's loss (a probe, a copy).
+        return cands if budget <= 0 and len(cands) == 1 else []
     return [min(found, key=lambda s: s._last_train_forward)]
 
 

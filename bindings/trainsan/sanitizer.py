@@ -320,6 +320,8 @@ class Sanitizer:
         _check_optimizers_hold_model(self._optimizers, params)
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
+        self._fsdp_ids = fsdp_ids
+        self._unsharded_ids: Optional[set] = None
         external = [int(id(p) in fsdp_ids) for p in params]
         locals_ = [p._local_tensor if _is_dtensor(p) else p for p in params]
         index = {}
@@ -496,6 +498,16 @@ class Sanitizer:
         if not self._closed:
             self._stepping.add(k)
             self._apply(self._handle.step_begin(k))
+
+    def _grad_leaf_ids(self) -> set:
+        """ids of the leaves the autograd graph holds for this model's parameters besides the
+        parameters themselves: FSDP2's unsharded parameters (created at its lazy init, so looked
+        up when asked; Note [Loss roots])."""
+        if not self._fsdp_ids:
+            return set()
+        if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._fsdp_ids):
+            self._unsharded_ids = _fsdp_unsharded_ids(self._model)
+        return self._unsharded_ids
 
     def _check_params_live(self) -> None:
         """At the first step: the attached parameters must still be the model's. fully_shard,
@@ -752,6 +764,25 @@ def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
             group = m._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 out.update(id(fp.sharded_param) for fp in group.fsdp_params)
+    return out
+
+
+def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
+    """ids of the unsharded parameters FSDP2 swaps in during forward and backward (those that
+    exist yet)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # noqa: BLE001
+        return set()
+    out = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                for fp in group.fsdp_params:
+                    u = getattr(fp, "_unsharded_param", None)
+                    if u is not None:
+                        out.add(id(u))
     return out
 
 

@@ -65,6 +65,8 @@ void OpAudit::begin_forward(int64_t step) {
   audit::activate(core_);
 }
 
+void OpAudit::pause_this_thread(bool paused) { audit::pause_this_thread(paused); }
+
 void OpAudit::stop() {
   if (!core_->active.load(std::memory_order_relaxed)) return;
   if (core_->active.exchange(false)) audit::deactivate(core_);

@@ -92,6 +92,8 @@ void claim();    // one more open OpAudit
 void release();  // one open OpAudit fewer; the last one removes the observer
 void activate(const std::shared_ptr<Core>& core);  // start auditing this thread's ops for core
 void deactivate(const std::shared_ptr<Core>& core);
+// While paused (nesting), the observer ignores this thread's ops and autograd nodes.
+void pause_this_thread(bool paused);
 // A broadcast_tensors call is deferred on this thread (Deferred): elementwise ops cannot take
 // the observer's fast path, they flush it.
 void set_deferred_pending(bool pending);

@@ -144,6 +144,7 @@ thread_local bool t_own_ops = false;
 // cross_entropy_loss's nll_loss_nd and nll_loss) are part of the call, not the user's code.
 thread_local int t_loss_depth = 0;
 thread_local bool t_deferred_pending = false;
+thread_local int t_paused = 0;  // pause_this_thread() depth
 
 struct InLoss : at::ObserverContext {};
 
@@ -234,6 +235,7 @@ bool elementwise_candidate(c10::ArrayRef<const c10::IValue> in) {
 }
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
+  if (t_paused > 0) return nullptr;
   if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
     stop_all();
     return nullptr;
@@ -334,6 +336,10 @@ void deactivate(const std::shared_ptr<Core>& core) {
     at::disableCallback(r.handle);
     r.enabled = false;
   }
+}
+
+void pause_this_thread(bool paused) {
+  t_paused = paused ? t_paused + 1 : std::max(0, t_paused - 1);
 }
 
 }  // namespace audit

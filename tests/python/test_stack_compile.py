@@ -276,3 +276,33 @@ def test_inductor_fullgraph_model():
     with pytest.raises(trainsan.TrainingBugError) as info:
         _run("compile_model_fullgraph", "nan_input", backend="inductor")
     assert (info.value.finding.kind, info.value.finding.step) == ("nonfinite_loss", NAN_STEP)
+
+
+@pytest.mark.parametrize("use", MODEL_USES)
+def test_eager_loss_after_a_compiled_model_is_audited_from_step_0(use):
+    # AOTAutograd's joint trace on the first compiled call runs autograd nodes inside the forward;
+    # the op audit is paused for the compiled call, so they do not end the audited window before
+    # the eager loss runs (Note [Compiled regions]). A [N, 1] output against an [N] target.
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(backend="aot_eager")
+    if use == "attach_compiled":
+        fwd = torch.compile(model, **kw)
+        san = trainsan.attach(fwd, opt, policy="record", audit_first_steps=1)
+    else:
+        san = trainsan.attach(model, opt, policy="record", audit_first_steps=1)
+        if use == "compile_model":
+            fwd = torch.compile(model, **kw)
+        else:
+            model.compile(**kw)
+            fwd = model
+    with san, pytest.warns(UserWarning, match="target size"):
+        for i in range(3):
+            x, y = _batch(i)
+            opt.zero_grad()
+            F.mse_loss(fwd(x), y.float()).backward()
+            opt.step()
+    found = [(f.kind, f.step) for f in san.findings if f.severity == "error"]
+    assert ("broadcast", 0) in found, san.summary()

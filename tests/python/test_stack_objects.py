@@ -266,3 +266,22 @@ def test_parameters_replaced_after_attach_are_a_clear_error_at_the_first_step():
     with pytest.raises(RuntimeError, match=r"replaced after attach\(\).*attach\s+last"):
         _step(model2, opt2, torch.randn(8, 6), torch.randint(0, 3, (8,)))
     san.close()
+
+
+def test_loss_of_an_unattached_model_is_not_charged_to_the_sanitizer():
+    # One open sanitizer: the root of a backward that reaches none of its parameters (a probe
+    # model, a fine-tuned copy) is another model's loss (Note [Loss roots]).
+    model, opt = _setup()
+    probe = torch.nn.Linear(6, 1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    with trainsan.attach(model, opt, policy="record") as san:
+        for i in range(4):
+            _step(model, opt, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+            x = torch.randn(8, 6)
+            if i == 2:
+                x[0, 0] = float("nan")  # the probe's problem, not the attached model's
+            probe_opt.zero_grad()
+            probe(x).sum().backward()
+            probe_opt.step()
+    assert _errors(san) == [], san.summary()
+    assert san.coverage()["losses_checked"] == 4

@@ -144,6 +144,10 @@ class Sanitizer {
   void grad_accumulated(int64_t index);
   /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients.
   void amp_skip(int64_t opt);
+  /// The op audit ignores this thread's ops (and its autograd nodes) while paused: a compiled
+  /// call of the model, whose tracing runs autograd nodes inside the forward (AOTAutograd's
+  /// joint trace) and whose graph's ops are not audited (Note [Compiled regions]). Nests.
+  static void pause_audit(bool paused);
   /// Outputs of a module (nonfinite_activation, opt-in); reads them at once.
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
   /// Check a class-index target before the op runs (label_range, batch_mismatch). `input` may be
