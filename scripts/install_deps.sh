@@ -2,7 +2,8 @@
 # Installs what TrainSan needs and is missing; a second run finds everything and returns fast.
 # Debian packages: cmake, ninja, GoogleTest, Google Benchmark, ccache (optional).
 # PyPI: torch==2.11.0 (LibTorch comes from this wheel), numpy, pytest, scikit-build-core,
-# scikit-learn (the demo's bundled digits data set).
+# scikit-learn (the demo's bundled digits data set); test-only, best effort: transformers,
+# accelerate, lightning and tensorboard (the tests that need them skip without them).
 set -euo pipefail
 PY=${PYTHON:-python3}
 
@@ -32,5 +33,35 @@ done
 if [ ${#need_pip[@]} -gt 0 ]; then
   echo "install_deps: pip install ${need_pip[*]}"
   "$PY" -m pip install --quiet --disable-pip-version-check "${need_pip[@]}"
+fi
+
+# Test-only, best effort: tests/python/test_integration_hf.py and test_integration_lightning.py
+# (trainsan.integrations) skip without them, so a failure here is reported and the run goes on.
+# Pinned to versions whose requirements accept the installed torch 2.11.0 (transformers 5.24.0:
+# torch>=2.6 in its extras, accelerate 1.15.0: torch>=2.0.0, lightning and pytorch-lightning
+# 2.6.6: torch>=2.1.0,<4.0, torchmetrics 1.9.0: torch>=2.0.0), so pip leaves torch as it is;
+# torch==2.11.0 on the same command line makes pip fail rather than change it. About 30 s when
+# missing (some 35 wheels, none large), a fraction of a second when present.
+# TRAINSAN_SKIP_TEST_DEPS=1 skips them.
+if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
+  need_test=()
+  has() {  # installed (found, not imported: importing lightning takes seconds)
+    "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('$1') else 1)" 2>/dev/null
+  }
+  has transformers || need_test+=("transformers==5.24.0")
+  has accelerate || need_test+=("accelerate==1.15.0")
+  # pytorch-lightning and torchmetrics too: lightning requires them unpinned, and they require
+  # torch, so a later release of theirs could ask for another torch.
+  has lightning || need_test+=("lightning==2.6.6" "pytorch-lightning==2.6.6" "torchmetrics==1.9.0")
+  # tests/python/test_tensorboard.py (python -m trainsan tensorboard); no torch requirement.
+  has tensorboard || need_test+=("tensorboard==2.20.0")
+  if [ ${#need_test[@]} -gt 0 ]; then
+    echo "install_deps: pip install ${need_test[*]} (test-only, best effort)"
+    if ! "$PY" -m pip install --quiet --disable-pip-version-check \
+      "${need_test[@]}" "torch==2.11.0"; then
+      echo "install_deps: WARNING: could not install ${need_test[*]}; the integration tests" \
+        "(tests/python/test_integration_*.py) will be skipped" >&2
+    fi
+  fi
 fi
 echo "install_deps: ok ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

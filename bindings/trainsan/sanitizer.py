@@ -229,6 +229,19 @@ _getstate_patch = Patch(_module_getstate)
 # step without a beginning (step_in_flight).
 
 
+def _scaler_found_inf(opt) -> bool:
+    """Inside GradScaler.step of an optimizer that does its own AMP scaling (fused Adam/AdamW/SGD:
+    `_step_supports_amp_scaling`): whether the scaler found Inf/NaN (the step will not update).
+    A read of one flag: a device sync on GPU, in fp16 runs with a fused optimizer only."""
+    found = opt.__dict__.get("found_inf")
+    if not isinstance(found, torch.Tensor) or opt.__dict__.get("grad_scale") is None:
+        return False
+    try:
+        return bool(found.item() != 0)
+    except Exception:  # noqa: BLE001 - never fail the user's step over this
+        return False
+
+
 class _StepClosure:
     """The closure handed to the optimizer (Note [Closure steps])."""
 
@@ -412,6 +425,7 @@ class Sanitizer:
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
         # is part of it, and its post-hook comes without a pre-hook (_make_post_step).
         self._stepping: set = set()
+        self._amp_skipping: set = set()  # optimizers whose current step the GradScaler skips
         self._closures: dict = {}  # optimizer index -> its step's _StepClosure
         self._line_search: set = set()  # optimizers that evaluate a closure several times a step
         for k in _steps_in_flight(self._optimizers):
@@ -476,6 +490,11 @@ class Sanitizer:
         self._py_overhead += seconds
 
     def _pre_step(self, k: int, opt, args, kwargs):
+        if _scaler_found_inf(opt):
+            # GradScaler.step calls a fused optimizer's step even when it found Inf/NaN (the
+            # fused kernel then skips the update): an AMP skip, not a step (_post_step).
+            self._amp_skipping.add(k)
+            return None
         # args[0] is the optimizer itself (torch.optim's hook wrapper passes step's own args).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if callable(closure) and not self._closed and k not in self._line_search:
@@ -526,6 +545,9 @@ class Sanitizer:
             )
 
     def _post_step(self, k: int, opt, args, kwargs):
+        if k in self._amp_skipping:
+            self._amp_skipping.discard(k)
+            return  # not counted: the GradScaler patch sees no step and reports the AMP skip
         _step_counts[opt] = _step_counts.get(opt, 0) + 1
         if self._closed:
             return
@@ -592,6 +614,13 @@ class Sanitizer:
         return t
 
     # -- public API -----------------------------------------------------------------------------
+
+    def training_forward(self, *inputs: Any) -> None:
+        """Report a training forward that does not go through the attached module's __call__
+        (Lightning calls ``training_step`` as a method, and a step may call a submodule): what
+        the module's forward pre-hook does, with `inputs` as the forward's inputs (for
+        duplicate_batch). Grad mode and the modules' train/eval modes are read now."""
+        self._on_forward(self._model, inputs, {})
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Check a loss (``nonfinite_loss``, ``loss_spike``, ``trivial_loss``) and return it
