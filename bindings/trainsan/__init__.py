@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .sanitizer import (
     KINDS,
     OPTIONS,
@@ -47,6 +49,11 @@ def _version() -> str:
 
 __version__ = _version()
 
+#: Where CMake finds the installed C++ API (``find_package(trainsan CONFIG)``, target
+#: ``trainsan::trainsan``): pass it in ``CMAKE_PREFIX_PATH``, as torch.utils.cmake_prefix_path.
+cmake_prefix_path: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share",
+                                      "cmake")
+
 __all__ = [
     "KINDS",
     "OPTIONS",
@@ -58,6 +65,7 @@ __all__ = [
     "TrainingBugError",
     "TrainingBugWarning",
     "attach",
+    "cmake_prefix_path",
     "cuda_compiled",
     "tensor_stats",
     "tensor_stats_async",
