@@ -17,6 +17,7 @@ from .sanitizer import (
     TrainingBugError,
     TrainingBugWarning,
     attach,
+    attached,
 )
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
 
@@ -65,6 +66,7 @@ __all__ = [
     "TrainingBugError",
     "TrainingBugWarning",
     "attach",
+    "attached",
     "cmake_prefix_path",
     "cuda_compiled",
     "tensor_stats",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainsan {demo,info,report,diff}``."""
+"""Command line: ``python -m trainsan {demo,run,info,report,diff,tensorboard}``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo as demo_mod
 
         return demo_mod.main(argv[1:])
+    if argv and argv[0] == "run":
+        from . import launcher
+
+        return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions and build configuration")
@@ -21,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     dif = sub.add_parser("diff", help="first step and tensor where two runs diverge")
     dif.add_argument("a")
     dif.add_argument("b")
+    tb = sub.add_parser("tensorboard", help="write a trace (or one per rank) as TensorBoard events")
+    tb.add_argument("traces", nargs="+", metavar="trace")
+    tb.add_argument("--logdir", required=True, help="TensorBoard log directory to write")
     sub.add_parser("demo", help="train a small model with TrainSan on (--bug NAME, --list-bugs)")
+    sub.add_parser("run", help="run an unmodified training script with TrainSan attached "
+                   "(run [options] script.py [args] | -m module [args]; run --help)")
     args = parser.parse_args(argv)
     if args.cmd == "info":
         import torch
@@ -31,12 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainsan {trainsan.__version__}, torch {torch.__version__}, "
               f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
               f"CUDA device visible: {torch.cuda.is_available()}")
+        print(f"CMake prefix path (find_package(trainsan)): {trainsan.cmake_prefix_path}")
         return 0
     from .report import TraceError, diff, report
 
     try:
         if args.cmd == "report":
             print(report(args.trace, args.png))
+        elif args.cmd == "tensorboard":
+            from .tensorboard import export_many
+
+            print(export_many(args.traces, args.logdir))
         else:
             print(diff(args.a, args.b))
     except TraceError as exc:

@@ -30,6 +30,7 @@ __all__ = [
     "TrainingBugError",
     "TrainingBugWarning",
     "attach",
+    "attached",
     "OPTIONS",
     "KINDS",
     "Options",
@@ -835,6 +836,13 @@ def _check_optimizers_hold_model(optimizers, params) -> None:
                    "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
                    "another model; build it from model.parameters() of the model you train")
             )
+
+
+def attached(model: torch.nn.Module) -> Optional[Sanitizer]:
+    """The open sanitizer attached to `model` (through attach()), or None."""
+    ref = _attached.get(_compile.unwrap_compiled(model))
+    san = ref() if ref is not None else None
+    return None if san is None or san.closed else san
 
 
 def _opt_str(v: Any) -> str:

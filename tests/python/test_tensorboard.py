@@ -81,3 +81,14 @@ def test_bad_trace_is_a_clear_error(tmp_path):
         export(str(bad), str(tmp_path / "tb"))
     with pytest.raises(TraceError, match="does not exist"):
         export(str(tmp_path / "missing.jsonl"), str(tmp_path / "tb"))
+
+
+def test_command_line(tmp_path, capsys):
+    from trainsan.__main__ import main
+
+    _trace(tmp_path / "run.jsonl")
+    assert main(["tensorboard", str(tmp_path / "run.jsonl"), "--logdir", str(tmp_path / "tb")]) == 0
+    assert "5 step records" in capsys.readouterr().out
+    assert "global/grad_norm" in _events(tmp_path / "tb").Tags()["scalars"]
+    assert main(["tensorboard", str(tmp_path / "nope.jsonl"), "--logdir", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
