@@ -782,38 +782,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t
 
 
-def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
-    """ids of the FSDP2 sharded parameters of the model (fully_shard), empty without FSDP2."""
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """FSDP2's per-parameter records (FSDPParam) of the model's fully_shard()ed modules; empty
+    without FSDP2."""
     try:
         from torch.distributed.fsdp import FSDPModule
-    except Exception:  # noqa: BLE001
-        return set()
-    out = set()
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return []
+    out = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
             group = m._get_fsdp_state()._fsdp_param_group
             if group is not None:
-                out.update(id(fp.sharded_param) for fp in group.fsdp_params)
+                out.extend(group.fsdp_params)
     return out
+
+
+def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
+    """ids of the FSDP2 sharded parameters of the model (fully_shard)."""
+    return {id(fp.sharded_param) for fp in _fsdp_params(model)}
 
 
 def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
     """ids of the unsharded parameters FSDP2 swaps in during forward and backward (those that
     exist yet)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:  # noqa: BLE001
-        return set()
-    out = set()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                for fp in group.fsdp_params:
-                    u = getattr(fp, "_unsharded_param", None)
-                    if u is not None:
-                        out.add(id(u))
-    return out
+    return {id(u) for fp in _fsdp_params(model) if (u := getattr(fp, "_unsharded_param", None))
+            is not None}
 
 
 def _check_optimizers_hold_model(optimizers, params) -> None:

@@ -108,3 +108,42 @@ def training_forward(san: Any, batch: Any) -> None:
     training_step as a method, not through the module's __call__, so the attached module's
     forward hook never fires when the step calls a submodule (self.net(x))."""
     san.training_forward(batch)
+
+
+class CallbackBase:
+    """What both framework callbacks share: the options (checked when the callback is built),
+    the summary setting, the sanitizer of the current run and its findings.
+
+    Parameters
+    ----------
+    summary : bool or callable, default True
+        At the end of training print :meth:`trainsan.Sanitizer.summary` to stderr (True), say
+        nothing (False), or call ``summary(text)``.
+    **options
+        The keyword options of :func:`trainsan.attach`: ``policy``, ``trace``, ``checks``,
+        ``sync``, ``overhead_budget``, ...
+
+    Attributes
+    ----------
+    sanitizer : trainsan.Sanitizer or None
+        The sanitizer of the current (or latest) run; still readable after it closed.
+    findings : list of trainsan.Finding
+        Its findings.
+    """
+
+    NAME = "trainsan.integrations"
+
+    def __init__(self, *, summary: Summary = True, **options: Any) -> None:
+        self.options = check_options(self.NAME, options)
+        self.summary = check_summary(self.NAME, summary)
+        self.sanitizer = None
+        self.last_summary: Optional[str] = None
+
+    @property
+    def findings(self) -> list:
+        return [] if self.sanitizer is None else self.sanitizer.findings
+
+    def close(self) -> None:
+        """Close the sanitizer (after a run that raised; the end-of-training event does it
+        otherwise)."""
+        close_quietly(self.sanitizer)

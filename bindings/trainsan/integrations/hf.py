@@ -46,7 +46,7 @@ Tested with transformers 5.24.0 and accelerate 1.15.0 (scripts/install_deps.sh).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from . import _common
 
@@ -55,40 +55,11 @@ __all__ = ["TrainSanCallback"]
 _NAME = "trainsan.integrations.hf.TrainSanCallback"
 
 
-class _TrainSanCallbackImpl:
-    """Attaches TrainSan to the Trainer's model and optimizer for each ``train()``.
+class _TrainSanCallbackImpl(_common.CallbackBase):
+    """Attaches TrainSan to the Trainer's model and optimizer for each ``train()`` (parameters
+    and attributes: _common.CallbackBase)."""
 
-    Parameters
-    ----------
-    summary : bool or callable, default True
-        At the end of training print :meth:`trainsan.Sanitizer.summary` to stderr (True), say
-        nothing (False), or call ``summary(text)``.
-    **options
-        The keyword options of :func:`trainsan.attach`: ``policy``, ``trace``, ``checks``,
-        ``sync``, ``overhead_budget``, ...
-
-    Attributes
-    ----------
-    sanitizer : trainsan.Sanitizer or None
-        The sanitizer of the current (or latest) ``train()``; still readable after it closed.
-    findings : list of trainsan.Finding
-        Its findings.
-    """
-
-    def __init__(self, *, summary: _common.Summary = True, **options: Any) -> None:
-        self.options = _common.check_options(_NAME, options)
-        self.summary = _common.check_summary(_NAME, summary)
-        self.sanitizer = None
-        self.last_summary: Optional[str] = None
-
-    @property
-    def findings(self) -> list:
-        return [] if self.sanitizer is None else self.sanitizer.findings
-
-    def close(self) -> None:
-        """Close the sanitizer (after a ``train()`` that raised; ``on_train_end`` does it
-        otherwise)."""
-        _common.close_quietly(self.sanitizer)
+    NAME = _NAME
 
     # -- Trainer events -------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ Tested with lightning 2.6.6 (scripts/install_deps.sh).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from . import _common
 
@@ -51,38 +51,11 @@ __all__ = ["TrainSan"]
 _NAME = "trainsan.integrations.lightning.TrainSan"
 
 
-class _TrainSanImpl:
-    """Attaches TrainSan to the LightningModule and its optimizers for each ``fit()``.
+class _TrainSanImpl(_common.CallbackBase):
+    """Attaches TrainSan to the LightningModule and its optimizers for each ``fit()``
+    (parameters and attributes: _common.CallbackBase)."""
 
-    Parameters
-    ----------
-    summary : bool or callable, default True
-        At the end of training print :meth:`trainsan.Sanitizer.summary` to stderr (True), say
-        nothing (False), or call ``summary(text)``.
-    **options
-        The keyword options of :func:`trainsan.attach`: ``policy``, ``trace``, ``checks``,
-        ``sync``, ``overhead_budget``, ...
-
-    Attributes
-    ----------
-    sanitizer : trainsan.Sanitizer or None
-        The sanitizer of the current (or latest) ``fit()``; still readable after it closed.
-    findings : list of trainsan.Finding
-        Its findings.
-    """
-
-    def __init__(self, *, summary: _common.Summary = True, **options: Any) -> None:
-        self.options = _common.check_options(_NAME, options)
-        self.summary = _common.check_summary(_NAME, summary)
-        self.sanitizer = None
-        self.last_summary: Optional[str] = None
-
-    @property
-    def findings(self) -> list:
-        return [] if self.sanitizer is None else self.sanitizer.findings
-
-    def close(self) -> None:
-        _common.close_quietly(self.sanitizer)
+    NAME = _NAME
 
     # -- Trainer events -------------------------------------------------------------------------
 
