@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions and build configuration")
     rep = sub.add_parser("report", help="summarise a trace")
-    rep.add_argument("trace")
+    rep.add_argument("trace", nargs="+", help="trace file(s); run.jsonl also finds the per-rank "
+                     "traces run.rankN.jsonl of a distributed run")
     rep.add_argument("--png", help="also plot the global norms to this PNG (needs matplotlib)")
     dif = sub.add_parser("diff", help="first step and tensor where two runs diverge")
     dif.add_argument("a")
@@ -42,17 +43,18 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA device visible: {torch.cuda.is_available()}")
         print(f"CMake prefix path (find_package(trainsan)): {trainsan.cmake_prefix_path}")
         return 0
-    from .report import TraceError, diff, report
+    from .report import TraceError, diff_runs, rank_traces, report_many
 
     try:
         if args.cmd == "report":
-            print(report(args.trace, args.png))
+            paths = [p for t in args.trace for p in rank_traces(t)]
+            print(report_many(paths, args.png))
         elif args.cmd == "tensorboard":
             from .tensorboard import export_many
 
             print(export_many(args.traces, args.logdir))
         else:
-            print(diff(args.a, args.b))
+            print(diff_runs(args.a, args.b))
     except TraceError as exc:
         print(f"trainsan: {exc}", file=sys.stderr)
         return 2

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 from typing import Iterator, Optional
 
 
@@ -29,6 +31,61 @@ def read_trace(path: str) -> Iterator[dict]:
             if lineno == 1 and rec["type"] != "header":
                 raise TraceError(f"{path}:1: a TrainSan trace starts with a header record")
             yield rec
+
+
+def rank_traces(path: str) -> list:
+    """The traces one run wrote: `path` itself if it exists, else the per-rank traces the
+    launcher writes under torchrun (``run.jsonl`` -> ``run.rank0.jsonl``, ``run.rank1.jsonl``,
+    ...), in rank order; a clear error when there is neither."""
+    if os.path.isfile(path):
+        return [path]
+    stem, ext = os.path.splitext(path)
+    found = []
+    for p in glob.glob(glob.escape(stem) + ".rank*" + glob.escape(ext)):
+        m = re.fullmatch(re.escape(stem) + r"\.rank(\d+)" + re.escape(ext), p)
+        if m:
+            found.append((int(m.group(1)), p))
+    if not found:
+        raise TraceError(f"trace file {path!r} does not exist (nor per-rank traces "
+                         f"{stem}.rankN{ext})")
+    return [p for _, p in sorted(found)]
+
+
+def _rank_line(path: str) -> tuple:
+    """(one line for this trace, {kind: severity} of its findings)."""
+    steps, kinds, first_error, summary = 0, {}, None, None
+    for rec in read_trace(path):
+        if rec["type"] == "step":
+            steps += 1
+        elif rec["type"] == "finding":
+            kinds[rec["kind"]] = rec.get("severity")
+            if rec.get("severity") == "error" and first_error is None:
+                first_error = f"first error: {rec['kind']} at step {rec.get('step')}"
+        elif rec["type"] == "summary":
+            summary = rec
+    done = f"{summary['steps']} steps" if summary else "no summary (ended early)"
+    return (f"  {os.path.basename(path)}: {done}, {steps} step records, {len(kinds)} distinct "
+            f"kind(s){', ' + first_error if first_error else ''}"), kinds
+
+
+def report_many(paths: list, png: Optional[str] = None) -> str:
+    """The report of each trace of one run (one per rank, or several given), then the ranks side
+    by side: a line each, and the finding kinds that only some of them report."""
+    if len(paths) == 1:
+        return report(paths[0], png)
+    parts = [report(p, None) for p in paths]
+    lines, per = [f"{len(paths)} traces read together:"], []
+    for p in paths:
+        line, kinds = _rank_line(p)
+        lines.append(line)
+        per.append(kinds)
+    every = set.intersection(*(set(k) for k in per))
+    for kind in sorted(set().union(*per) - every):
+        where = [os.path.basename(p) for p, k in zip(paths, per) if kind in k]
+        lines.append(f"  {kind}: only in {', '.join(where)}")
+    if png:
+        raise TraceError("--png plots one trace; give one trace file")
+    return "\n\n".join(parts + ["\n".join(lines)])
 
 
 def report(path: str, png: Optional[str] = None) -> str:
@@ -99,6 +156,17 @@ def _plot(steps: list, png: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png)
+
+
+def diff_runs(path_a: str, path_b: str) -> str:
+    """diff of two runs, each one trace or one per rank (rank_traces): rank by rank."""
+    a, b = rank_traces(path_a), rank_traces(path_b)
+    if len(a) == 1 and len(b) == 1:
+        return diff(a[0], b[0])
+    if len(a) != len(b):
+        raise TraceError(f"{path_a} has {len(a)} trace(s) and {path_b} {len(b)}: compare runs "
+                         "with the same number of ranks (or name one trace file each)")
+    return "\n".join(f"rank {r}: {diff(x, y)}" for r, (x, y) in enumerate(zip(a, b)))
 
 
 def diff(path_a: str, path_b: str) -> str:
