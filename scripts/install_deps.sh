@@ -64,4 +64,30 @@ if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
     fi
   fi
 fi
+
+# Test-only, best effort: tests/python/test_html_report.py opens the `report --html` page in a
+# real headless browser: Debian's chromium driven by Playwright over CDP (launched with
+# executable_path=/usr/bin/chromium; `playwright install`, which downloads its own browser, is
+# never run). The test skips without either. Playwright 1.55.0 is a single wheel (~8 s); chromium
+# and its libraries take a minute or two from apt; both are a fraction of a second when present.
+# TRAINSAN_SKIP_TEST_DEPS=1 skips them.
+if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
+  if ! command -v chromium >/dev/null; then
+    echo "install_deps: apt-get install chromium (test-only, best effort)"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    if ! { $SUDO apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium; }; then
+      echo "install_deps: WARNING: could not install chromium; the browser test" \
+        "(tests/python/test_html_report.py) will be skipped" >&2
+    fi
+  fi
+  if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('playwright') else 1)" \
+    2>/dev/null; then
+    echo "install_deps: pip install playwright==1.55.0 (test-only, best effort)"
+    if ! "$PY" -m pip install --quiet --disable-pip-version-check "playwright==1.55.0"; then
+      echo "install_deps: WARNING: could not install playwright; the browser test" \
+        "(tests/python/test_html_report.py) will be skipped" >&2
+    fi
+  fi
+fi
 echo "install_deps: ok ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("trace", nargs="+", help="trace file(s); run.jsonl also finds the per-rank "
                      "traces run.rankN.jsonl of a distributed run")
     rep.add_argument("--png", help="also plot the global norms to this PNG (needs matplotlib)")
+    rep.add_argument("--html", help="also write a self-contained HTML report (provenance, "
+                     "findings timeline, norms, per-layer heat maps, coverage) to this file")
     dif = sub.add_parser("diff", help="first step and tensor where two runs diverge")
     dif.add_argument("a")
     dif.add_argument("b")
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "report":
             paths = [p for t in args.trace for p in rank_traces(t)]
             print(report_many(paths, args.png))
+            if args.html:
+                from .html_report import write_html
+
+                print(write_html(paths, args.html))
         elif args.cmd == "tensorboard":
             from .tensorboard import export_many
 

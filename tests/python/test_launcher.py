@@ -165,11 +165,14 @@ def test_torchrun_ddp_ranks_attach(tmp_path):
     env = dict(ENV)
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # as in _dist.py: the loopback always works
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "trainsan", "run", "--trace", str(trace), _script("ddp_script.py")],
-        capture_output=True, text=True, timeout=180, env=env,
-    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "trainsan", "run", "--trace", str(trace), _script("ddp_script.py")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        # A rank that finished (its "done" line printed, its trace complete) sometimes aborts in
+        # gloo's teardown at interpreter exit under load (pytorch/pytorch#190489; seen once in a
+        # CI run, not reproduced in a dozen runs with or without TrainSan): run once more.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rank 0 done" in r.stdout and "rank 1 done" in r.stdout
     for rank in (0, 1):
