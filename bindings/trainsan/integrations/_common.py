@@ -147,3 +147,23 @@ class CallbackBase:
         """Close the sanitizer (after a run that raised; the end-of-training event does it
         otherwise)."""
         close_quietly(self.sanitizer)
+
+
+def lazy_class(module: str, namespace: dict, name: str, build: Callable[[], type], hook: str):
+    """PEP 562 ``__getattr__`` and ``__dir__`` for an integration module whose class `name` is
+    made by `build()`, importing the framework, at the first lookup of the name. A stand-in made
+    because the framework is missing (it lacks the callback method `hook`) is not kept, so a later
+    install is seen."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr == name:
+            cls = build()
+            if hasattr(cls, hook):
+                namespace[attr] = cls
+            return cls
+        raise AttributeError(f"module {module!r} has no attribute {attr!r}")
+
+    def __dir__() -> list:
+        return sorted(set(namespace) | {name})
+
+    return __getattr__, __dir__

@@ -128,16 +128,5 @@ def _build() -> type:
     return cls
 
 
-def __getattr__(name: str) -> Any:
-    # PEP 562: the class is made, and transformers imported, at the first lookup of its name.
-    if name == "TrainSanCallback":
-        cls = _build()
-        if not hasattr(cls, "on_train_begin"):
-            return cls  # the stand-in: not kept, so a later install is seen
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list:
-    return sorted(list(globals()) + __all__)
+# PEP 562: the class is made, and transformers imported, at the first lookup of its name.
+__getattr__, __dir__ = _common.lazy_class(__name__, globals(), "TrainSanCallback", _build, "on_train_begin")

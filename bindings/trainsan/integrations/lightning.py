@@ -42,7 +42,6 @@ Tested with lightning 2.6.6 (scripts/install_deps.sh).
 
 from __future__ import annotations
 
-from typing import Any
 
 from . import _common
 
@@ -136,16 +135,5 @@ def _build() -> type:
     )
 
 
-def __getattr__(name: str) -> Any:
-    # PEP 562: the class is made, and Lightning imported, at the first lookup of its name.
-    if name == "TrainSan":
-        cls = _build()
-        if not hasattr(cls, "on_train_start"):
-            return cls  # the stand-in: not kept, so a later install is seen
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list:
-    return sorted(list(globals()) + __all__)
+# PEP 562: the class is made, and Lightning imported, at the first lookup of its name.
+__getattr__, __dir__ = _common.lazy_class(__name__, globals(), "TrainSan", _build, "on_train_start")
