@@ -17,7 +17,7 @@ import math
 import os
 from typing import Optional
 
-from .report import read_trace
+from .report import load_trace
 
 _SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 _SERIES_COLOURS = {"grad_norm": "#1f77b4", "param_norm": "#2ca02c", "update_norm": "#9467bd",
@@ -62,24 +62,6 @@ def _pos(v) -> Optional[float]:
 
 def _fmt(v) -> str:
     return "—" if v is None else f"{v:.4g}"
-
-
-def load(path: str) -> dict:
-    """The records of one trace, by type."""
-    t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": []}
-    for rec in read_trace(path):
-        kind = rec["type"]
-        if kind == "header":
-            t["header"] = rec
-        elif kind == "step":
-            t["steps"].append(rec)
-        elif kind == "finding":
-            t["findings"].append(rec)
-        elif kind == "summary":
-            t["summary"] = rec
-        elif kind == "amp_skip":
-            t["amp"].append(rec)
-    return t
 
 
 # ---------------------------------------------------------------- small table helpers
@@ -416,7 +398,7 @@ def _trace_section(t: dict, index: int) -> str:
 
 def render(paths: list) -> str:
     """The HTML page of one or more traces (one section per trace)."""
-    traces = [load(p) for p in paths]
+    traces = [load_trace(p) for p in paths]
     title = "TrainSan report: " + ", ".join(os.path.basename(p) for p in paths)
     toc = ""
     if len(traces) > 1:

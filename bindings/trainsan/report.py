@@ -51,21 +51,29 @@ def rank_traces(path: str) -> list:
     return [p for _, p in sorted(found)]
 
 
-def _rank_line(path: str) -> tuple:
-    """(one line for this trace, {kind: severity} of its findings)."""
-    steps, kinds, first_error, summary = 0, {}, None, None
+def load_trace(path: str) -> dict:
+    """The records of one trace, by type: ``path``, ``header`` (or None), ``steps``,
+    ``findings``, ``summary`` (None: the run ended early) and ``amp`` (the AMP-skip records)."""
+    t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": []}
+    lists = {"step": "steps", "finding": "findings", "amp_skip": "amp"}
     for rec in read_trace(path):
-        if rec["type"] == "step":
-            steps += 1
-        elif rec["type"] == "finding":
-            kinds[rec["kind"]] = rec.get("severity")
-            if rec.get("severity") == "error" and first_error is None:
-                first_error = f"first error: {rec['kind']} at step {rec.get('step')}"
-        elif rec["type"] == "summary":
-            summary = rec
+        kind = rec["type"]
+        if kind in ("header", "summary"):
+            t[kind] = rec
+        elif kind in lists:
+            t[lists[kind]].append(rec)
+    return t
+
+
+def _rank_line(t: dict) -> tuple:
+    """(one line for this loaded trace, {kind: severity} of its findings)."""
+    kinds = {f["kind"]: f.get("severity") for f in t["findings"]}
+    first = next((f for f in t["findings"] if f.get("severity") == "error"), None)
+    first_error = f"first error: {first['kind']} at step {first.get('step')}" if first else None
+    summary = t["summary"]
     done = f"{summary['steps']} steps" if summary else "no summary (ended early)"
-    return (f"  {os.path.basename(path)}: {done}, {steps} step records, {len(kinds)} distinct "
-            f"kind(s){', ' + first_error if first_error else ''}"), kinds
+    return (f"  {os.path.basename(t['path'])}: {done}, {len(t['steps'])} step records, "
+            f"{len(kinds)} distinct kind(s){', ' + first_error if first_error else ''}"), kinds
 
 
 def report_many(paths: list, png: Optional[str] = None) -> str:
@@ -73,36 +81,31 @@ def report_many(paths: list, png: Optional[str] = None) -> str:
     by side: a line each, and the finding kinds that only some of them report."""
     if len(paths) == 1:
         return report(paths[0], png)
-    parts = [report(p, None) for p in paths]
+    if png:
+        raise TraceError("--png plots one trace; give one trace file")
+    traces = [load_trace(p) for p in paths]
+    parts = [_report_text(t, None) for t in traces]
     lines, per = [f"{len(paths)} traces read together:"], []
-    for p in paths:
-        line, kinds = _rank_line(p)
+    for t in traces:
+        line, kinds = _rank_line(t)
         lines.append(line)
         per.append(kinds)
     every = set.intersection(*(set(k) for k in per))
     for kind in sorted(set().union(*per) - every):
         where = [os.path.basename(p) for p, k in zip(paths, per) if kind in k]
         lines.append(f"  {kind}: only in {', '.join(where)}")
-    if png:
-        raise TraceError("--png plots one trace; give one trace file")
     return "\n\n".join(parts + ["\n".join(lines)])
 
 
 def report(path: str, png: Optional[str] = None) -> str:
     """A text report of one trace; with ``png``, also a plot of the global norms."""
-    header, steps, findings, summary, amp = None, [], [], None, 0
-    for rec in read_trace(path):
-        t = rec["type"]
-        if t == "header":
-            header = rec
-        elif t == "step":
-            steps.append(rec)
-        elif t == "finding":
-            findings.append(rec)
-        elif t == "summary":
-            summary = rec
-        elif t == "amp_skip":
-            amp += 1
+    return _report_text(load_trace(path), png)
+
+
+def _report_text(t: dict, png: Optional[str]) -> str:
+    path, header, steps, findings, summary = (
+        t["path"], t["header"], t["steps"], t["findings"], t["summary"])
+    amp = len(t["amp"])
     lines = [f"trace {path}"]
     if header:
         lines.append(
