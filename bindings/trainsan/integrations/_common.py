@@ -148,6 +148,20 @@ class CallbackBase:
         otherwise)."""
         close_quietly(self.sanitizer)
 
+    def finish(self, rank: int, world: int, quiet: bool = False) -> None:
+        """End of training: close the sanitizer (quiet: never raising, the run already failed;
+        else it may raise what it still held under policy "raise"), then report its summary."""
+        san = self.sanitizer
+        if san is None or san.closed:
+            return
+        try:
+            if quiet:
+                close_quietly(san)
+            else:
+                san.close()
+        finally:
+            self.last_summary = report_summary(san, self.summary, rank=rank, world=world)
+
 
 def lazy_class(module: str, namespace: dict, name: str, build: Callable[[], type], hook: str):
     """PEP 562 ``__getattr__`` and ``__dir__`` for an integration module whose class `name` is

@@ -77,17 +77,10 @@ class _TrainSanCallbackImpl(_common.CallbackBase):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        san = self.sanitizer
-        if san is not None and not san.closed:
-            try:
-                san.close()  # may raise (policy "raise") what it still held
-            finally:
-                self.last_summary = _common.report_summary(
-                    san,
-                    self.summary,
-                    rank=int(getattr(args, "process_index", 0) or 0),
-                    world=int(getattr(args, "world_size", 1) or 1),
-                )
+        self.finish(
+            rank=int(getattr(args, "process_index", 0) or 0),
+            world=int(getattr(args, "world_size", 1) or 1),
+        )
         return control
 
 

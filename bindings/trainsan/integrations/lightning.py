@@ -90,21 +90,11 @@ class _TrainSanImpl(_common.CallbackBase):
         self._finish(trainer, quiet=True)
 
     def _finish(self, trainer, quiet: bool) -> None:
-        san = self.sanitizer
-        if san is None or san.closed:
-            return
-        try:
-            if quiet:
-                _common.close_quietly(san)
-            else:
-                san.close()  # may raise (policy "raise") what it still held
-        finally:
-            self.last_summary = _common.report_summary(
-                san,
-                self.summary,
-                rank=int(getattr(trainer, "global_rank", 0) or 0),
-                world=int(getattr(trainer, "world_size", 1) or 1),
-            )
+        self.finish(
+            rank=int(getattr(trainer, "global_rank", 0) or 0),
+            world=int(getattr(trainer, "world_size", 1) or 1),
+            quiet=quiet,
+        )
 
 
 def _framework():
