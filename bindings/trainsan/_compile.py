@@ -70,11 +70,9 @@ def unwrap_compiled(model):
 
 
 def _open_sanitizer_of(module):
-    from .sanitizer import _attached
+    from .sanitizer import attached  # (sanitizer.py imports this module)
 
-    ref = _attached.get(module)
-    san = ref() if ref is not None else None
-    return None if san is None or san._closed else san
+    return attached(module)
 
 
 def _compiled_forward(san, module, call, args, kwargs):

@@ -148,6 +148,7 @@ def _loss_owners(root: torch.Tensor) -> list:
     if not cands:
         return cands
     found: dict = {}
+    leaves = {s: s._grad_leaf_ids() for s in cands}  # looked up once a walk, not once a node
     seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
     while stack and budget > 0 and len(found) < len(cands):
         node = stack.pop()
@@ -158,7 +159,7 @@ def _loss_owners(root: torch.Tensor) -> list:
         var = getattr(node, "variable", None)
         if isinstance(var, torch.Tensor):
             for s in cands:
-                if id(var) in s._param_ids or id(var) in s._grad_leaf_ids():
+                if id(var) in s._param_ids or id(var) in leaves[s]:
                     found.setdefault(s, True)
         stack.extend(fn for fn, _ in node.next_functions)
     if not found:

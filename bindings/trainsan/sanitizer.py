@@ -102,6 +102,7 @@ _KIND_ON = dict(zip(*(torch.ops.trainsan.kinds()[k] for k in (0, 2))))  # kind -
 # model -> weakref to its open sanitizer (weak both ways: Note [Sanitizer lifetime])
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _ACTIONS = ("none", "warn", "raise")  # trainsan::Action, as the op library returns it
+_NO_IDS: frozenset = frozenset()
 
 
 # Note [Sanitizer lifetime]
@@ -524,7 +525,7 @@ class Sanitizer:
         parameters themselves: FSDP2's unsharded parameters (created at its lazy init, so looked
         up when asked; Note [Loss roots])."""
         if not self._fsdp_ids:
-            return set()
+            return _NO_IDS
         if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._fsdp_ids):
             self._unsharded_ids = _fsdp_unsharded_ids(self._model)
         return self._unsharded_ids
