@@ -92,6 +92,40 @@ void StepIntegrityCheck::on_step(const StepView& v) {
   if (t.any_update && !v.lr_zero && t.changed > 0) unchanged_tensors(v);
 }
 
+namespace {
+
+// Whether parameter p belongs to the optimizer stepping in v (v.opt -1: all of them).
+bool stepping(const StepView& v, const ParamView& p) {
+  return p.opt >= 0 && (v.opt < 0 || p.opt == v.opt);
+}
+
+// 4 ulp of p's largest weight: eps * max|θ| bounds the ulp of every element.
+double four_ulp(const ParamView& p) {
+  return 4.0 * std::max(p.eps, 0.0) * (p.param.absmax ? *p.param.absmax : 0.0);
+}
+
+}  // namespace
+
+// Whether the step should have moved some parameter visibly: one of the stepping optimizer's
+// trainable parameters has a finite nonzero gradient and a learning rate that is unknown, or a
+// gradient or predicted move (lr * max|g|) that exceeds 4 ulp of its largest weight (the
+// gradient alone: a learning rate so small that it rounds every update away is the bug). A step
+// that moves nothing because its gradients are below what the weights can register (an LBFGS
+// that has converged, tolerance_grad 1e-7, returns without an update) is not a skipped step.
+bool StepIntegrityCheck::visible_move(const StepView& v) {
+  for (const ParamView& p : v.params) {
+    if (!stepping(v, p) || !p.trainable || !p.grad || p.grad->nonfinite() > 0 || p.lr == 0.0) {
+      continue;
+    }
+    // max|g| (its norm bounds it from above where the pass has no absmax)
+    const double g = p.grad->absmax ? *p.grad->absmax : p.grad->l2;
+    if (!(g > 0.0)) continue;
+    if (std::isnan(p.lr)) return true;
+    if (std::max(1.0, std::abs(p.lr)) * g > four_ulp(p)) return true;
+  }
+  return false;
+}
+
 // Note [Unchanged tensors]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // A step that moved some parameters but left one with a clearly nonzero gradient bit for bit
@@ -105,26 +139,6 @@ void StepIntegrityCheck::on_step(const StepView& v) {
 // learning rate for SGD, less for adaptive optimizers), must exceed 4 ulp of its largest weight
 // (eps * max|θ| bounds the ulp of every element). A step that moved nothing is the whole-step rule
 // above (a converged LBFGS, a failed line search: not this rule).
-// Whether the step should have moved some parameter visibly: one of the stepping optimizer's
-// trainable parameters has a finite nonzero gradient and a learning rate that is unknown, or a
-// gradient or predicted move (lr * max|g|) that exceeds 4 ulp of its largest weight (the
-// gradient alone: a learning rate so small that it rounds every update away is the bug). A step
-// that moves nothing because its gradients are below what the weights can register (an LBFGS
-// that has converged, tolerance_grad 1e-7, returns without an update) is not a skipped step.
-bool StepIntegrityCheck::visible_move(const StepView& v) {
-  for (const ParamView& p : v.params) {
-    const bool stepped = p.opt >= 0 && (v.opt < 0 || p.opt == v.opt);
-    if (!stepped || !p.trainable || !p.grad || p.grad->nonfinite() > 0 || p.lr == 0.0) continue;
-    // max|g| (its norm bounds it from above where the pass has no absmax)
-    const double g = p.grad->absmax ? *p.grad->absmax : p.grad->l2;
-    if (!(g > 0.0)) continue;
-    if (std::isnan(p.lr)) return true;
-    const double w = p.param.absmax ? *p.param.absmax : 0.0;
-    if (std::max(1.0, std::abs(p.lr)) * g > 4.0 * std::max(p.eps, 0.0) * w) return true;
-  }
-  return false;
-}
-
 void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
   double largest_move = 0.0;
   double lr_est = std::numeric_limits<double>::infinity();
@@ -137,8 +151,7 @@ void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
   }
   if (!(largest_move > 0.0)) return;
   for (const ParamView& p : v.params) {
-    const bool stepped = p.opt >= 0 && (v.opt < 0 || p.opt == v.opt);  // v.opt -1: all
-    if (!stepped || !p.trainable || !p.update || p.update->changed != 0) {
+    if (!stepping(v, p) || !p.trainable || !p.update || p.update->changed != 0) {
       continue;
     }
     if (!p.grad || p.grad->nonfinite() > 0 || !p.grad->absmax || !(*p.grad->absmax > 0.0)) {
@@ -150,8 +163,7 @@ void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
     if (!std::isfinite(s)) continue;
     const double g = *p.grad->absmax;
     const double predicted = std::min(largest_move, s * g);
-    const double w = p.param.absmax ? *p.param.absmax : 0.0;
-    if (!(predicted > 4.0 * p.eps * w)) continue;
+    if (!(predicted > four_ulp(p))) continue;
     sink_.add(Kind::skipped_step, p.name,
               "optimizer.step() changed other parameters but not one element of " + p.name +
                   ", although its gradient is nonzero (max |g| " + fmt(g) +
