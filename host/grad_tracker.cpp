@@ -274,7 +274,8 @@ void GradTracker::before_accumulation(size_t i) {
     it->second.version = g._version();
     it->second.clears += 1;
   }
-  if (!untouched(g, s)) {
+  // (the version matches now: untouched() is whether no clear came since p's own record)
+  if (it == seen_version_.end() || it->second.clears != s.clears_seen) {
     s.before = Before::kFresh;
   } else if (s.consumed_latest && s.consumed.get() == impl) {
     s.before = Before::kConsumed;
@@ -325,8 +326,13 @@ void GradTracker::on_grad_accumulated(size_t i) {
   record(g, &s);
   this_backward_.push_back(i);
   if (!end_queued_) {
-    end_queued_ = true;
-    queue_end_of_backward();
+    try {
+      queue_end_of_backward();
+      end_queued_ = true;
+    } catch (const c10::Error&) {
+      // No graph task to queue on (an accumulation reported outside a backward): nothing ran
+      // at its end to absorb; never fail the caller's backward over it.
+    }
   }
   if (probe_steps_ > 0) {  // Note [Zero gradients]
     if (g.layout() == at::kStrided && !params_[i].local.defined()) {
