@@ -467,6 +467,20 @@ void Sanitizer::custom_grad_result(const CustomGradResult& result) {
   report();
 }
 
+void Sanitizer::compare_replicas() { impl_->replicas = true; }
+
+std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
+  if (wait_all && !impl_->closed) impl_->readback.drain_all();
+  std::vector<StepFingerprints> out;
+  out.swap(impl_->fingerprints);
+  return out;
+}
+
+void Sanitizer::replica_report(const ReplicaReport& r) {
+  if (!impl_->closed) impl_->checks.replicas.on_report(r);
+  report();
+}
+
 bool Sanitizer::inplace_check_step() const {
   return !impl_->closed && !impl_->grads.in_step() &&
          impl_->opts.enabled("inplace_before_backward") &&

@@ -26,7 +26,8 @@ struct SanitizerImpl::Pass {
   bool manual = false;
   bool partial = false;          // attached inside this step (step_in_flight)
   std::vector<double> group_lr;  // per param group of the stepping optimizer
-  bool hashed = true;  // fingerprints computed (else their column is 0 in last_stats/trace)
+  bool hashed = true;    // fingerprints computed (else their column is 0 in last_stats/trace)
+  bool replica = false;  // kept for the replica comparison (compare_replicas)
   bool report_update =
       false;  // update statistics against a fresh snapshot (Note [Overhead budget])
   std::vector<size_t> indices;     // parameters in the pass
@@ -174,7 +175,9 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
     // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
     // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
-    p->hashed = opts.fingerprints || trace.traces(p->step);
+    p->replica =
+        replicas && opts.enabled("rank_desync") && checks.replicas.fingerprint_due(p->step);
+    p->hashed = opts.fingerprints || trace.traces(p->step) || p->replica;
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
     // step before one; the update is reported where the snapshot is from the step just before.
     const int64_t opt_key = manual ? -1 : opt;
@@ -290,6 +293,18 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     pv.eps = dtype_eps(params[i].param.scalar_type());
     pv.grad_left_nonzero = p.consumed[k].left_nonzero;
     prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
+  }
+  if (p.replica) {
+    StepFingerprints fp;
+    fp.step = p.step;
+    fp.opt = p.manual ? -1 : p.opt;
+    for (const ParamView& pv : v.params) {
+      fp.index.push_back(static_cast<int64_t>(pv.index));
+      fp.param.push_back(static_cast<int64_t>(pv.param.hash));
+      fp.has_grad.push_back(pv.grad.has_value());
+      fp.grad.push_back(pv.grad ? static_cast<int64_t>(pv.grad->hash) : 0);
+    }
+    fingerprints.push_back(std::move(fp));
   }
   compute_totals(v);
   coverage.steps_checked += 1;

@@ -239,6 +239,63 @@ TORCH_LIBRARY(trainsan, m) {
             h->san->custom_grad_result(r);
             return h->take();
           })
+      .def("compare_replicas", [](const H& h) { h->san->compare_replicas(); })
+      .def("take_fingerprints",
+           [](const H& h, bool wait_all) {
+             // Per pass: (step, optimizer, [n, 4] int64: index, fingerprint, has_grad, grad's).
+             std::vector<std::tuple<int64_t, int64_t, at::Tensor>> out;
+             for (const auto& fp : h->san->take_fingerprints(wait_all)) {
+               const auto n = static_cast<int64_t>(fp.index.size());
+               at::Tensor t = at::empty({n, 4}, at::kLong);
+               int64_t* d = t.data_ptr<int64_t>();
+               for (int64_t k = 0; k < n; ++k) {
+                 const auto u = static_cast<size_t>(k);
+                 d[4 * k] = fp.index[u];
+                 d[4 * k + 1] = fp.param[u];
+                 d[4 * k + 2] = fp.has_grad[u] ? 1 : 0;
+                 d[4 * k + 3] = fp.grad[u];
+               }
+               out.emplace_back(fp.step, fp.opt, t);
+             }
+             return out;
+           })
+      .def("replica_report",
+           [](const H& h, int64_t moment, int64_t step, int64_t opt, std::string group,
+              std::vector<int64_t> ranks, std::vector<std::string> tensors,
+              std::vector<std::string> whats, std::vector<int64_t> labels,
+              std::vector<int64_t> skipped, std::vector<int64_t> steps_at,
+              std::vector<int64_t> forwards, bool grads_agree, std::vector<int64_t> missing,
+              double waited_s, std::vector<std::string> missing_detail) {
+             // labels: len(ranks) entries per tensor (-1: unknown), flattened.
+             TORCH_CHECK_VALUE(moment >= 0 && moment <= 2, "replica_report: bad moment ", moment);
+             TORCH_CHECK_VALUE(
+                 tensors.size() == whats.size() &&
+                     (labels.empty() || labels.size() == tensors.size() * ranks.size()),
+                 "replica_report: tensors, whats and labels disagree in length");
+             trainsan::ReplicaReport r;
+             r.moment = static_cast<trainsan::ReplicaReport::Moment>(moment);
+             r.step = step;
+             r.opt = opt;
+             r.group = std::move(group);
+             r.ranks = ranks;
+             for (size_t k = 0; k < tensors.size(); ++k) {
+               trainsan::ReplicaMismatch m{tensors[k], whats[k], {}};
+               if (!labels.empty()) {
+                 const auto* b = labels.data() + k * ranks.size();
+                 if (*b >= 0) m.labels.assign(b, b + ranks.size());
+               }
+               r.mismatches.push_back(std::move(m));
+             }
+             for (const int64_t v : skipped) r.skipped.push_back(v != 0);
+             r.steps_at = std::move(steps_at);
+             r.forwards = std::move(forwards);
+             r.grads_agree = grads_agree;
+             r.missing = std::move(missing);
+             r.waited_s = waited_s;
+             r.missing_detail = std::move(missing_detail);
+             h->san->replica_report(r);
+             return h->take();
+           })
       .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })
       .def("gradcheck_step", [](const H& h) { return h->san->gradcheck_step(); })
       .def("add_overhead", [](const H& h, double s) { h->san->add_overhead(s); })

@@ -84,6 +84,8 @@ from ._facts import (  # noqa: E402
     _steps_in_flight,
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
+from .replicas import ReplicaComparison  # noqa: E402
+from .replicas import active as replicas_active  # noqa: E402
 from ._patches import (  # noqa: E402
     Patch,
     _data_restarts,
@@ -432,6 +434,21 @@ class Sanitizer:
         self._line_search: set = set()  # optimizers that evaluate a closure several times a step
         for k in _steps_in_flight(self._optimizers):
             self._handle.step_in_flight(k)
+        # rank_desync (Note [Replica comparison], replicas.py): a distributed run's replicas.
+        self._replicas: Optional[ReplicaComparison] = None
+        self._replicas_active = False
+        if self._enabled("rank_desync", checks) and replicas_active():
+            self._replicas_active = True
+            self._replicas = ReplicaComparison(
+                self._handle,
+                model,
+                names,
+                params,
+                self._optimizers,
+                options,
+                _weak_method(self._apply),
+                lambda: _forward_clock[0],
+            )
 
     @staticmethod
     def _enabled(kind: str, checks: dict) -> bool:
@@ -517,6 +534,8 @@ class Sanitizer:
             self._live_checked = True
             self._check_params_live()
         if not self._closed:
+            if self._replicas is not None:
+                self._replicas.first_step()
             self._stepping.add(k)
             self._apply(self._handle.step_begin(k))
 
@@ -575,7 +594,12 @@ class Sanitizer:
                 [None if p.grad is None else p.grad._local_tensor for p in ps],
             )
         self._py_overhead += time.perf_counter() - t0
-        self._apply(self._handle.step_end(k, lr0, self._take_overhead(), lrs))
+        reports = self._handle.step_end(k, lr0, self._take_overhead(), lrs)
+        if self._replicas is not None:
+            t0 = time.perf_counter()
+            self._replicas.on_step(k, skipped=False)
+            self._py_overhead += time.perf_counter() - t0
+        self._apply(reports)
 
     def _activation(self, name: str, module, args, output):
         if self._closed or not torch.is_grad_enabled():
@@ -589,7 +613,10 @@ class Sanitizer:
 
     def _amp_skip(self, opt) -> None:
         if not self._closed and opt in self._optimizers:
-            self._handle.amp_skip(self._optimizers.index(opt))
+            k = self._optimizers.index(opt)
+            self._handle.amp_skip(k)
+            if self._replicas is not None:
+                self._replicas.on_step(k, skipped=True)
 
     def _first_watch(self, loss: torch.Tensor) -> bool:
         """True the first time this tensor object is seen since the last step (Note [Loss
@@ -660,6 +687,11 @@ class Sanitizer:
         counts, kinds, reasons = self._handle.coverage()
         out = dict(counts)
         out["unchecked"] = dict(zip(kinds, reasons))
+        if self._replicas_active and (self._replicas is None or not self._replicas.sets):
+            out["unchecked"]["rank_desync"] = (
+                "no parameter has replicas on this rank (each is sharded on every mesh dimension "
+                "or marked tensor_model_parallel)"
+            )
         return out
 
     def summary(self) -> str:
@@ -733,7 +765,11 @@ class Sanitizer:
             self._compile_patched = False
             _compile.unwrap_compiled_call(self._model)
             _compile.compile_patch.release()
-        self._apply(self._handle.close())
+        found: list = []
+        replicas = getattr(self, "_replicas", None)
+        if replicas is not None:
+            found = replicas.close()  # its findings are raised with close()'s own
+        self._apply(found + list(self._handle.close()))
 
     @property
     def closed(self) -> bool:

@@ -14,6 +14,7 @@
 #include "finding_sink.h"
 #include "trainsan/autograd_facts.h"
 #include "trainsan/options.h"
+#include "trainsan/replica_facts.h"
 #include "trainsan/tensor_stats.h"
 
 namespace trainsan::host {
@@ -300,6 +301,19 @@ class AutogradCheck {  // autograd.cpp: inplace_before_backward, bad_custom_grad
   const Options& opts_;
 };
 
+class ReplicaCheck {  // replicas.cpp: rank_desync (Note [Replica comparison], replicas.py)
+ public:
+  ReplicaCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  /// One comparison across a replica group (or its failure), as the caller's collective found.
+  void on_report(const ReplicaReport& r);
+  /// Whether the step pass of `step` fingerprints for the comparison (desync_every).
+  bool fingerprint_due(int64_t step) const { return step % opts_.desync_every == 0; }
+
+ private:
+  FindingSink& sink_;
+  const Options& opts_;
+};
+
 /// Every family, in the order the sanitizer runs them on a step (the order findings appear in:
 /// the hook observations, the numbers of the pass, the step-level rules, the mode).
 struct Checks {
@@ -311,7 +325,8 @@ struct Checks {
         mode(sink, opts),
         inputs(sink, opts),
         loss(sink, opts),
-        autograd(sink, opts) {}
+        autograd(sink, opts),
+        replicas(sink, opts) {}
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
   MagnitudeCheck magnitudes;
@@ -320,6 +335,7 @@ struct Checks {
   InputsCheck inputs;
   LossCheck loss;
   AutogradCheck autograd;
+  ReplicaCheck replicas;
 };
 
 }  // namespace trainsan::host

@@ -33,8 +33,9 @@ IMPLEMENTED = {
     "bad_custom_grad": "error",
     "loss_spike": "warning",
     "trivial_loss": "warning",
+    "rank_desync": "error",
 }
-UNIMPLEMENTED = ["rank_desync", "nondeterminism", "amp_scale_collapse", "bad_checkpoint"]
+UNIMPLEMENTED = ["nondeterminism", "amp_scale_collapse", "bad_checkpoint"]
 
 
 def _setup():
@@ -109,9 +110,9 @@ def test_misspelt_check_is_an_error_even_when_switched_off():
 def test_unknown_check_is_rejected_by_cpp_too():
     """The op library's own validation, below the Python attach() check."""
     p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match="unknown check 'rank_desync'"):
+    with pytest.raises(ValueError, match="unknown check 'nondeterminism'"):
         torch.classes.trainsan.Sanitizer(
-            ["p"], [p], [0], {"check.rank_desync": "true"}, "", [], [], [], False, [0], [], [], [], [], []
+            ["p"], [p], [0], {"check.nondeterminism": "true"}, "", [], [], [], False, [0], [], [], [], [], []
         )
 
 

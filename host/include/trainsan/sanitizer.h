@@ -18,6 +18,7 @@
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
+#include "trainsan/replica_facts.h"
 #include "trainsan/stats.h"
 
 namespace trainsan {
@@ -165,6 +166,17 @@ class Sanitizer {
   bool inplace_check_step() const;
   /// Whether custom Functions are checked at the current step (bad_custom_grad, gradcheck_every).
   bool gradcheck_step() const;
+  /// Replicas of these parameters train in other processes and the caller compares them
+  /// (rank_desync; Note [Replica comparison] in bindings/trainsan/replicas.py): from now on every
+  /// step pass due (desync_every) fingerprints the parameters and gradients and keeps the
+  /// fingerprints for take_fingerprints().
+  void compare_replicas();
+  /// The fingerprints of the step passes checked since the last call, in step order (on a GPU a
+  /// pass lands a step later: Note [Lagged checks]); `wait_all`: check every pass still in
+  /// flight first (before close(), so its comparison can still be reported).
+  std::vector<StepFingerprints> take_fingerprints(bool wait_all = false);
+  /// The outcome of one comparison across a replica group (rank_desync).
+  void replica_report(const ReplicaReport& report);
   /// Time spent for this sanitizer outside C++ (e.g. in Python hooks), for the overhead figures.
   void add_overhead(double seconds);
   /// Flush pending checks, write the trace summary, remove every hook. Idempotent.

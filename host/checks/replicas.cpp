@@ -1,0 +1,215 @@
+// rank_desync: replicas that must be identical and are not (Note [Replica comparison],
+// bindings/trainsan/replicas.py gathers the facts). The rules are simple — any difference of
+// bits is a finding — so this file is mostly the wording: which tensors, which ranks, what the
+// pattern of the difference says about its cause, and the fix.
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "checks/check.h"
+
+namespace trainsan::host {
+
+namespace {
+
+constexpr size_t kNamesShown = 4;  // tensors named in one finding
+constexpr size_t kRanksShown = 8;  // ranks listed in one set
+
+std::string rank_list(const std::vector<int64_t>& ranks) {
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t k = 0; k < ranks.size() && k < kRanksShown; ++k) os << (k ? ", " : "") << ranks[k];
+  if (ranks.size() > kRanksShown) os << ", … (" << ranks.size() << " ranks)";
+  return os.str();
+}
+
+// "rank 1 differs from ranks 0, 2, 3", or the classes of equal values.
+std::string split_text(const std::vector<int64_t>& ranks, const std::vector<int64_t>& labels) {
+  if (labels.size() != ranks.size() || labels.empty()) return "";
+  std::map<int64_t, std::vector<int64_t>> classes;
+  for (size_t k = 0; k < ranks.size(); ++k) classes[labels[k]].push_back(ranks[k]);
+  if (classes.size() < 2) return "";
+  if (classes.size() == 2) {
+    const auto& majority = classes.begin()->second;
+    const auto& other = std::next(classes.begin())->second;
+    return rank_list(other) + (other.size() == 1 ? " differs" : " differ") + " from " +
+           rank_list(majority);
+  }
+  std::ostringstream os;
+  os << classes.size() << " different values:";
+  for (const auto& [label, rs] : classes) {
+    os << " {";
+    for (size_t k = 0; k < rs.size() && k < kRanksShown; ++k) os << (k ? ", " : "") << rs[k];
+    if (rs.size() > kRanksShown) os << ", …";
+    os << "}";
+  }
+  return os.str();
+}
+
+std::string per_rank(const std::vector<int64_t>& ranks, const std::vector<int64_t>& values) {
+  std::ostringstream os;
+  for (size_t k = 0; k < ranks.size() && k < values.size() && k < kRanksShown; ++k) {
+    os << (k ? ", " : "") << "rank " << ranks[k] << ": " << values[k];
+  }
+  if (ranks.size() > kRanksShown) os << ", …";
+  return os.str();
+}
+
+// "fc1.weight, fc2.bias — rank 1 differs from rank 0" where every tensor splits the ranks alike,
+// else each tensor with its own split.
+std::string names_text(const std::vector<const ReplicaMismatch*>& ms,
+                       const std::vector<int64_t>& ranks) {
+  const bool alike = std::all_of(ms.begin(), ms.end(), [&](const ReplicaMismatch* m) {
+    return m->labels == ms.front()->labels;
+  });
+  std::ostringstream os;
+  for (size_t k = 0; k < ms.size() && k < kNamesShown; ++k) {
+    os << (k ? ", " : "") << ms[k]->tensor;
+    const std::string split = alike ? "" : split_text(ranks, ms[k]->labels);
+    if (!split.empty()) os << " (" << split << ")";
+  }
+  if (ms.size() > kNamesShown) os << " and " << ms.size() - kNamesShown << " more";
+  const std::string split = alike ? split_text(ranks, ms.front()->labels) : "";
+  if (!split.empty()) os << " — " << split;
+  return os.str();
+}
+
+// "parameter fc.weight differs" / "4 parameters differ".
+std::string count_text(size_t n, const std::string& what) {
+  return n == 1 ? "a " + what : std::to_string(n) + " " + what + "s";
+}
+
+std::string group_text(const ReplicaReport& r) {
+  return (r.group.empty() ? std::string("the replica group") : r.group) + " [" +
+         rank_list(r.ranks) + "]";
+}
+
+}  // namespace
+
+void ReplicaCheck::on_report(const ReplicaReport& r) {
+  using Moment = ReplicaReport::Moment;
+  const std::string opt_text = r.opt >= 0 ? " of optimizer " + std::to_string(r.opt) : "";
+  if (r.moment == Moment::kMissing) {
+    std::ostringstream os;
+    os << rank_list(r.missing) << " of " << group_text(r) << " did not arrive at the replica "
+       << "comparison of step " << r.step << opt_text;
+    if (r.waited_s > 0) os << " within " << fmt(r.waited_s) << " s";
+    for (size_t k = 0; k < r.missing_detail.size(); ++k) {
+      if (!r.missing_detail[k].empty()) os << "; " << r.missing_detail[k];
+    }
+    os << " — a rank that took fewer optimizer steps than the others (it skipped "
+          "optimizer.step() or left the loop early), or one that hangs or died. Every rank must "
+          "take the same steps; the comparison stops here on this rank (raise desync_timeout if "
+          "ranks legitimately fall this far behind)";
+    sink_.add(Kind::rank_desync, "", os.str(), r.waited_s, r.step);
+    return;
+  }
+  if (r.moment == Moment::kBeforeFirstStep) {
+    if (r.mismatches.empty()) return;
+    std::vector<const ReplicaMismatch*> ms;
+    for (const auto& m : r.mismatches) ms.push_back(&m);
+    sink_.add(Kind::rank_desync, r.mismatches.front().tensor,
+              "replicas start from different weights: " + count_text(ms.size(), "tensor") +
+                  " that must be identical across " + group_text(r) +
+                  (ms.size() == 1 ? " differs" : " differ") +
+                  " before the first step: " + names_text(ms, r.ranks) +
+                  ". Every replica must start from the same weights: seed every rank alike "
+                  "before building the model, or broadcast rank 0's parameters before training "
+                  "(DDP does at construction; FSDP2/HSDP and tensor-parallel replicas do not — "
+                  "torch.distributed.broadcast each parameter, or load one checkpoint on every "
+                  "rank)",
+              static_cast<double>(ms.size()), r.step);
+    return;
+  }
+  // kAfterStep.
+  std::string shifted;
+  if (!r.forwards.empty()) {
+    shifted = " (the ranks also ran different numbers of training forwards so far — " +
+              per_rank(r.ranks, r.forwards) + ")";
+  }
+  if (!r.skipped.empty()) {
+    std::vector<int64_t> skipped, stepped;
+    for (size_t k = 0; k < r.ranks.size() && k < r.skipped.size(); ++k) {
+      (r.skipped[k] ? skipped : stepped).push_back(r.ranks[k]);
+    }
+    sink_.add(Kind::rank_desync, "",
+              rank_list(skipped) + " of " + group_text(r) + " skipped step " +
+                  std::to_string(r.step) + opt_text +
+                  " (its GradScaler found Inf/NaN in its gradients) while " + rank_list(stepped) +
+                  " stepped: from here on the replicas' weights differ. The GradScaler must "
+                  "decide alike on every rank — it saw gradients that were not all-reduced "
+                  "(FSDP2/HSDP: use torch.distributed's ShardedGradScaler or all-reduce "
+                  "found_inf; a per-rank gradient hook or clipping before unscale_)",
+              std::nullopt, r.step);
+  }
+  if (!r.steps_at.empty()) {
+    sink_.add(Kind::rank_desync, "",
+              "the ranks of " + group_text(r) + " reached this comparison at different steps" +
+                  opt_text + " (" + per_rank(r.ranks, r.steps_at) + ")" + shifted +
+                  ": a rank skipped optimizer.step() (or called it twice) while the others "
+                  "stepped, so their weights differ from here on. Every rank must take the same "
+                  "steps: skip on all ranks or none (decide from an all-reduced flag)",
+              std::nullopt, r.step);
+  }
+  if (!r.forwards.empty() && !r.mismatches.empty()) {
+    // Different training forwards so far: the ranks pair different steps in this comparison.
+    std::vector<const ReplicaMismatch*> ms;
+    for (const auto& m : r.mismatches) ms.push_back(&m);
+    sink_.add(Kind::rank_desync, "",
+              "the ranks of " + group_text(r) + " are out of step at step " +
+                  std::to_string(r.step) + opt_text +
+                  ": they ran different numbers of training "
+                  "forwards so far (" +
+                  per_rank(r.ranks, r.forwards) + ") and " + count_text(ms.size(), "tensor") +
+                  " differ (" + names_text(ms, r.ranks) +
+                  ") — a rank skipped optimizer.step() (or stepped twice) while the others "
+                  "stepped, so from here on they train different weights. Every rank must take "
+                  "the same steps: skip on all ranks or none (decide from an all-reduced flag)",
+              static_cast<double>(ms.size()), r.step);
+    return;
+  }
+  std::map<std::string, std::vector<const ReplicaMismatch*>> by_what;
+  for (const auto& m : r.mismatches) by_what[m.what].push_back(&m);
+  const bool grads_differ = by_what.count("gradient") > 0;
+  for (const auto& [what, ms] : by_what) {
+    std::string cause;
+    if (what == "gradient") {
+      cause =
+          "The gradients already differ after the reduction: a gradient that was not averaged "
+          "across the ranks (the last backward of a step run under no_sync(), a gradient hook "
+          "or clipping that depends on the rank, a parameter the data-parallel wrapper ignores)";
+    } else if (what == "parameter") {
+      cause = grads_differ ? "Their gradients differ too (see the gradient finding of this step)"
+              : r.grads_agree
+                  ? "The gradients agree, so the weights diverged in the update or outside it: "
+                    "a write to the weights on some ranks only (under no_grad, through .data, a "
+                    "rank-dependent re-init or EMA), a learning rate or other optimizer setting "
+                    "that depends on the rank, optimizer state that differs (a partial restore), "
+                    "or a step one rank skipped"
+                  : "Causes: a write to the weights on some ranks only, an optimizer setting that "
+                    "depends on the rank, gradients that were not averaged, or a step one rank "
+                    "skipped";
+    } else if (what == "optimizer state") {
+      cause =
+          "The optimizer's state (moments, step counts) differs although it must evolve alike "
+          "on every replica: a partial or per-rank restore of the optimizer, or a rank-dependent "
+          "setting; the weights will drift apart";
+    } else {
+      cause =
+          "Buffers differ across replicas (batch-norm running statistics without SyncBatchNorm "
+          "differ legitimately; switch desync_buffers off if that is intended)";
+    }
+    // One finding per kind of tensor (the key: its first tensor, suffixed but for weights).
+    const std::string suffix = what == "gradient"          ? ".grad"
+                               : what == "optimizer state" ? ".state"
+                                                           : "";
+    sink_.add(Kind::rank_desync, ms.front()->tensor + suffix,
+              count_text(ms.size(), what) + " that must be identical across " + group_text(r) +
+                  (ms.size() == 1 ? " differs" : " differ") + " after step " +
+                  std::to_string(r.step) + opt_text + ": " + names_text(ms, r.ranks) + ". " +
+                  cause + shifted,
+              static_cast<double>(ms.size()), r.step);
+  }
+}
+
+}  // namespace trainsan::host
