@@ -26,8 +26,9 @@ struct SanitizerImpl::Pass {
   bool manual = false;
   bool partial = false;          // attached inside this step (step_in_flight)
   std::vector<double> group_lr;  // per param group of the stepping optimizer
-  bool hashed = true;    // fingerprints computed (else their column is 0 in last_stats/trace)
-  bool replica = false;  // kept for the replica comparison (compare_replicas)
+  bool hashed = true;          // fingerprints computed (else their column is 0 in last_stats/trace)
+  bool replica = false;        // weights fingerprinted for the replica comparison
+  bool replica_grads = false;  // gradients too (sampled: desync_state_every)
   bool report_update =
       false;  // update statistics against a fresh snapshot (Note [Overhead budget])
   std::vector<size_t> indices;     // parameters in the pass
@@ -58,7 +59,6 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
     const double* fp = c.host.floats.const_data_ptr<double>();
     for (size_t r = 0; r < st.size(); ++r) {
       rows[r].stats = st[r];
-      if (!p.hashed) rows[r].stats.hash = 0;
       if (upd && p.report_update) {
         UpdateStats u;
         u.changed = ip[r * kn::kIntFieldsUpdate + kn::kColChanged];
@@ -173,11 +173,13 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   {
     TRAINSAN_NVTX_RANGE("trainsan/stats");
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
+    std::map<DevKey, std::vector<char>> no_hash;
     // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
     // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
     p->replica =
         replicas && opts.enabled("rank_desync") && checks.replicas.fingerprint_due(p->step);
-    p->hashed = opts.fingerprints || trace.traces(p->step) || p->replica;
+    p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
+    p->hashed = opts.fingerprints || trace.traces(p->step);
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
     // step before one; the update is reported where the snapshot is from the step just before.
     const int64_t opt_key = manual ? -1 : opt;
@@ -190,9 +192,10 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     if (with_snapshot) snapshot_step[opt_key] = p->step;
     std::map<DevKey, std::vector<int64_t>> global_rows;
     int64_t row = 0;
-    auto push = [&](const at::Tensor& t, const at::Tensor& snap) {
+    auto push = [&](const at::Tensor& t, const at::Tensor& snap, bool hash) {
       const DevKey d = key_of(t);
       tensors[d].push_back(t.detach());
+      no_hash[d].push_back(hash ? 0 : 1);
       snaps[d].push_back(snap);
       global_rows[d].push_back(row);
       return row++;
@@ -208,7 +211,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
       // forward, where this pass runs: only a gradient as the backward left it is checked.
       const bool untouched = !manual || !g.defined() || grads.as_backward_left(p->indices[k]);
       if (g.defined() && g.layout() == at::kStrided && untouched) {
-        p->grad_row[k] = push(g, at::Tensor());
+        p->grad_row[k] = push(g, at::Tensor(), p->hashed || p->replica_grads);
       }
     }
     for (size_t k = 0; k < n; ++k) {
@@ -220,17 +223,16 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
         snap = at::Tensor();  // the parameter was replaced; start a new snapshot
         snapshots[i] = prm.detach().clone(at::MemoryFormat::Contiguous);
       }
-      p->param_row[k] = push(prm, snap);
+      p->param_row[k] = push(prm, snap, p->hashed || p->replica);
     }
     p->row_map.assign(static_cast<size_t>(row), {0, 0});
     for (auto& [dev, ts] : tensors) {
       const std::vector<at::Tensor>& sn = snaps[dev];
       const bool any_snap =
           std::any_of(sn.begin(), sn.end(), [](const at::Tensor& t) { return t.defined(); });
-      const std::vector<char> no_hash(ts.size(), p->hashed ? 0 : 1);
-      PackedStats packed = ts.front().is_cuda()
-                               ? packed_cuda(ts, any_snap ? &sn : nullptr, &no_hash)
-                               : packed_cpu(ts, any_snap ? &sn : nullptr, &no_hash);
+      const std::vector<char>& nh = no_hash[dev];
+      PackedStats packed = ts.front().is_cuda() ? packed_cuda(ts, any_snap ? &sn : nullptr, &nh)
+                                                : packed_cpu(ts, any_snap ? &sn : nullptr, &nh);
       const size_t c = copies.size();
       copies.push_back(start_host_copy(packed));
       const auto& gr = global_rows[dev];
@@ -301,10 +303,17 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     for (const ParamView& pv : v.params) {
       fp.index.push_back(static_cast<int64_t>(pv.index));
       fp.param.push_back(static_cast<int64_t>(pv.param.hash));
-      fp.has_grad.push_back(pv.grad.has_value());
-      fp.grad.push_back(pv.grad ? static_cast<int64_t>(pv.grad->hash) : 0);
+      const bool g = pv.grad.has_value() && p.replica_grads;
+      fp.has_grad.push_back(g);
+      fp.grad.push_back(g ? static_cast<int64_t>(pv.grad->hash) : 0);
     }
     fingerprints.push_back(std::move(fp));
+  }
+  if (!p.hashed) {  // fingerprints only for the replica comparison: not in last_stats/the trace
+    for (ParamView& pv : v.params) {
+      pv.param.hash = 0;
+      if (pv.grad) pv.grad->hash = 0;
+    }
   }
   compute_totals(v);
   coverage.steps_checked += 1;

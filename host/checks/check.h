@@ -308,6 +308,11 @@ class ReplicaCheck {  // replicas.cpp: rank_desync (Note [Replica comparison], r
   void on_report(const ReplicaReport& r);
   /// Whether the step pass of `step` fingerprints for the comparison (desync_every).
   bool fingerprint_due(int64_t step) const { return step % opts_.desync_every == 0; }
+  /// Whether that pass fingerprints the gradients too (desync_state_every: sampled, as hashing
+  /// them every step would double the CPU pass's cost).
+  bool grads_due(int64_t step) const {
+    return opts_.desync_state_every > 0 && step % opts_.desync_state_every == 0;
+  }
 
  private:
   FindingSink& sink_;

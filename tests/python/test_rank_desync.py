@@ -81,6 +81,8 @@ def _ddp_loop(rank: int, ws: int, scenario: str) -> dict:
     options = dict(desync_timeout=20)
     if scenario == "ddp_adam":
         options["desync_state_every"] = 2
+    if scenario == "ddp_nudge":
+        options["desync_state_every"] = 1  # gradients compared every step: the cause localised
     if scenario == "ddp_buffers":
         options.update(desync_buffers=True, desync_state_every=1)
     target = model if scenario == "ddp_inner" else ddp  # attached to .module: DDP found anyway
