@@ -201,6 +201,8 @@ class ReplicaComparison:
         self._steps: dict[int, int] = {}  # optimizer -> steps so far
         self._fifo: list[_Event] = []
         self._first_done = not optimizers  # manual mode: no comparison before the first step
+        self._max_opts = dist.AllreduceOptions()
+        self._max_opts.reduceOp = dist.ReduceOp.MAX
         self._closed = False
         self._collect: Optional[list] = None  # reports held back during close()
         _instances[0] += 1
@@ -305,13 +307,18 @@ class ReplicaComparison:
             self._steps[opt] = step + 1
         due = not skipped and step % self._every == 0
         sampled = not skipped and self._state_every > 0 and step % self._state_every == 0
-        grad_ok = set()
-        for s in self._sets:
-            for i in s.members:
-                p = self._params[i]
-                if s.grads or (_is_dtensor(p) and p.grad is not None
-                               and tuple(p.grad.placements) == tuple(p.placements)):
-                    grad_ok.add(i)
+        grad_ok = None
+        if due and self._state_every > 0 and step % self._state_every == 0:
+            grad_ok = set()
+            for s in self._sets:
+                if s.grads:
+                    grad_ok.update(s.members)
+                    continue
+                for i in s.members:
+                    p = self._params[i]
+                    if (_is_dtensor(p) and p.grad is not None
+                            and tuple(p.grad.placements) == tuple(p.placements)):
+                        grad_ok.add(i)
         state = self._state_hashes(opt) if sampled else None
         buffers = None
         if sampled and any(s.buffers for s in self._sets):
@@ -421,8 +428,9 @@ class ReplicaComparison:
         row = self._row(s, ev)
         payload = torch.cat([row, torch.bitwise_not(row)])
         try:
-            work = _dist().all_reduce(payload, op=_dist().ReduceOp.MAX, group=s.group,
-                                      async_op=True)
+            # The process group's own allreduce: dist.all_reduce's Python wrapper costs more
+            # than the collective's launch.
+            work = s.group.allreduce([payload], self._max_opts)
         except Exception as exc:  # noqa: BLE001 - the side group is gone (process group torn down)
             self._give_up(s, f"its collective failed: {exc}")
             return

@@ -76,6 +76,41 @@ def _rank_line(t: dict) -> tuple:
             f"{len(kinds)} distinct kind(s){', ' + first_error if first_error else ''}"), kinds
 
 
+def _divergence(traces: list) -> list:
+    """Where the ranks' replicas first differ: the first rank_desync finding, and from the
+    traced fingerprints the first step where a tensor whose fingerprints all ranks shared at the
+    first traced step differs (tensors that never agreed — shards — are left out)."""
+    lines = []
+    firsts = [min((f for f in t["findings"] if f["kind"] == "rank_desync"),
+                  key=lambda f: f.get("step") or 0, default=None) for t in traces]
+    seen = [(f.get("step") or 0, f["message"]) for f in firsts if f is not None]
+    if seen:
+        step, msg = min(seen)
+        lines.append(f"  first rank_desync: step {step}: {msg[:300]}")
+    by_step = []
+    for t in traces:
+        by_step.append({(r.get("optimizer"), r["step"]): {
+            n: v["param"].get("hash") for n, v in (r.get("tensors") or {}).items()
+            if v.get("param", {}).get("hash") not in (None, "0")} for r in t["steps"]})
+    common = sorted(set.intersection(*(set(b) for b in by_step)), key=lambda k: (k[1], k[0] or 0))
+    replicas = None
+    for key in common:
+        rows = [b[key] for b in by_step]
+        names = set.intersection(*(set(r) for r in rows))
+        if not names:
+            continue
+        if replicas is None:  # the first traced step: the tensors all ranks hold alike
+            replicas = {n for n in names if len({r[n] for r in rows}) == 1}
+            continue
+        bad = sorted(n for n in names & replicas if len({r[n] for r in rows}) > 1)
+        if bad:
+            who = ", ".join(f"rank{k}" for k, r in enumerate(rows) if r[bad[0]] != rows[0][bad[0]])
+            lines.append(f"  fingerprints first differ at step {key[1]}: {', '.join(bad[:4])}"
+                         f"{' …' if len(bad) > 4 else ''} ({who} differ from rank0's trace)")
+            break
+    return lines
+
+
 def report_many(paths: list, png: Optional[str] = None) -> str:
     """The report of each trace of one run (one per rank, or several given), then the ranks side
     by side: a line each, and the finding kinds that only some of them report."""
@@ -90,6 +125,7 @@ def report_many(paths: list, png: Optional[str] = None) -> str:
         line, kinds = _rank_line(t)
         lines.append(line)
         per.append(kinds)
+    lines += _divergence(traces)
     every = set.intersection(*(set(k) for k in per))
     for kind in sorted(set().union(*per) - every):
         where = [os.path.basename(p) for p, k in zip(paths, per) if kind in k]

@@ -64,7 +64,7 @@ def _data(san) -> dict:
     )
 
 
-def _ddp_loop(rank: int, ws: int, scenario: str) -> dict:
+def _ddp_loop(rank: int, ws: int, scenario: str, trace_dir: str = "") -> dict:
     import torch.distributed as dist
     import trainsan
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -86,6 +86,8 @@ def _ddp_loop(rank: int, ws: int, scenario: str) -> dict:
     if scenario == "ddp_buffers":
         options.update(desync_buffers=True, desync_state_every=1)
     target = model if scenario == "ddp_inner" else ddp  # attached to .module: DDP found anyway
+    if trace_dir:
+        options["trace"] = f"{trace_dir}/{scenario}.rank{rank}.jsonl"
     san = trainsan.attach(target, opt, policy="record", **options)
     for step in range(STEPS):
         opt.zero_grad()
@@ -219,12 +221,14 @@ LOOPS = {"ddp": _ddp_loop, "plain": _plain_loop, "fsdp": _fsdp_loop, "hsdp": _fs
          "tp": _tp_loop}
 
 
-def _run_all(rank: int, ws: int, scenarios: list) -> dict:
+def _run_all(rank: int, ws: int, scenarios: list, trace_dir: str = "") -> dict:
     warnings.simplefilter("ignore")
     out = {}
     for sc in scenarios:
         try:
-            out[sc] = LOOPS[sc.split("_")[0].rstrip("4")](rank, ws, sc)
+            kind = sc.split("_")[0].rstrip("4")
+            extra = (trace_dir,) if kind == "ddp" and trace_dir else ()
+            out[sc] = LOOPS[kind](rank, ws, sc, *extra)
         except Exception:  # noqa: BLE001 - one scenario's failure is its test's datum
             out[sc] = dict(error=traceback.format_exc())
     return out
@@ -239,8 +243,13 @@ FOUR = ["hsdp_clean", "hsdp_init", "ddp4_nudge"]
 
 
 @pytest.fixture(scope="module")
-def two():
-    return _dist.run(_run_all, 2, args=(TWO,), timeout=240)
+def trace_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("desync_traces"))
+
+
+@pytest.fixture(scope="module")
+def two(trace_dir):
+    return _dist.run(_run_all, 2, args=(TWO, trace_dir), timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -371,3 +380,14 @@ def test_buffers_compared_on_request(two):
         fs = _of(two, "ddp_buffers", rank)
         assert fs and all("buffer" in f["message"] for f in fs), fs
         assert {f["tensor"] for f in fs} <= {"module.bn.running_mean", "module.bn.running_var"}
+
+
+def test_report_reads_the_rank_traces_together(two, trace_dir):
+    from trainsan.report import rank_traces, report_many
+
+    text = report_many(rank_traces(f"{trace_dir}/ddp_nudge.jsonl"))
+    assert f"first rank_desync: step {NUDGE_AFTER + 1}" in text, text
+    assert f"fingerprints first differ at step {NUDGE_AFTER + 1}: module.fc2.bias" in text, text
+    assert "(rank1 differ" in text
+    clean = report_many(rank_traces(f"{trace_dir}/ddp_clean.jsonl"))
+    assert "rank_desync" not in clean and "fingerprints first differ" not in clean, clean
