@@ -11,6 +11,7 @@
 #   stacks-gpu bench/gpu_stacks.py (DDP over single-rank NCCL, FSDP2 world size 1, inductor)
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
 #   gpt2-bench bench/bench_gpt2_gpu.py (sanitizer overhead on a GPT-2-small bf16 training step)
+#   desync-gpu bench/bench_desync.py --device cuda (rank_desync's cost, two ranks on one GPU)
 # The whole run stays within GPU_CHECK_BUDGET_S seconds (default 540, so under 9 minutes): a phase
 # gets at most its own limit and what is left of the budget.
 #
@@ -209,6 +210,16 @@ else
   run_phase gpt2-bench 110 "$(gpu_note "GPT-2 small, bf16 autocast, AdamW")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
     "$PY" "$ROOT/bench/bench_gpt2_gpu.py" --steps 8 --rounds 3
+fi
+
+if ((!BUILT)); then
+  skip_phase desync-gpu "build failed"
+else
+  # rank_desync's cost per step: two processes on the one GPU (gloo default group, DDP), the check
+  # on and off, against Megatron-style SHA-1 hashing (bench/bench_desync.py; goal <= 1%).
+  run_phase desync-gpu 90 "$(gpu_note "2 ranks on one GPU, DDP over gloo")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/bench_desync.py" --device cuda --models mlp,transformer --steps 20
 fi
 
 # --- summary ------------------------------------------------------------------------------------
