@@ -467,7 +467,7 @@ void Sanitizer::custom_grad_result(const CustomGradResult& result) {
   report();
 }
 
-void Sanitizer::compare_replicas() { impl_->replicas = true; }
+void Sanitizer::compare_replicas() { impl_->replicas = impl_->opts.enabled("rank_desync"); }
 
 std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
   if (wait_all && !impl_->closed) impl_->readback.drain_all();

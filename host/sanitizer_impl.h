@@ -99,8 +99,8 @@ struct SanitizerImpl {
   std::map<int64_t, std::pair<int64_t, int64_t>> forwards_at_step;  // opt -> (grad, no_grad)
   int64_t input_hash_step = -1;
   int64_t amp_skips = 0;
-  // rank_desync (compare_replicas): the fingerprints of the passes checked since they were last
-  // taken.
+  // rank_desync (compare_replicas, when enabled): the fingerprints of the passes checked since
+  // they were last taken.
   bool replicas = false;
   std::vector<StepFingerprints> fingerprints;
   double overhead_s = 0.0;       // total measured

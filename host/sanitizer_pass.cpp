@@ -174,12 +174,12 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     TRAINSAN_NVTX_RANGE("trainsan/stats");
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
     std::map<DevKey, std::vector<char>> no_hash;
-    // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check reads
-    // them: computed on traced steps (for `trainsan diff`) or every step with `fingerprints`.
-    p->replica =
-        replicas && opts.enabled("rank_desync") && checks.replicas.fingerprint_due(p->step);
-    p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
+    // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check of the
+    // pass reads them: computed on traced steps (for `trainsan diff`), every step with
+    // `fingerprints`, and for the replica comparison on its steps (weights, sampled gradients).
     p->hashed = opts.fingerprints || trace.traces(p->step);
+    p->replica = replicas && checks.replicas.fingerprint_due(p->step);
+    p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
     // step before one; the update is reported where the snapshot is from the step just before.
     const int64_t opt_key = manual ? -1 : opt;

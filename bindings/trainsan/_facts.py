@@ -14,6 +14,20 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's data of a tensor: a DTensor's local shard (for a replicated loss, the whole
+    value), a plain tensor itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
 def _mode_dependent(m: torch.nn.Module) -> bool:
     """Whether m's forward behaves differently in train and eval mode (as far as its class says)."""
     if isinstance(m, torch.nn.modules.dropout._DropoutNd):

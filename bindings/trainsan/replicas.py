@@ -53,6 +53,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._facts import _is_dtensor, _local
 from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
@@ -111,14 +112,6 @@ def _find_ddp(model: torch.nn.Module) -> Optional[Any]:
     return None
 
 
-def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # noqa: BLE001
-        return False
-    return isinstance(t, DTensor)
-
-
 def _dtensor_replicas(p: Any) -> tuple[Optional[tuple], str]:
     """The ranks holding the same local tensor as this rank for DTensor `p`, and how to name them."""
     mesh, placements = p.device_mesh, p.placements
@@ -144,12 +137,11 @@ class _Set:
         self.context = context
         self.grads = grads  # gradients are reduced alike across the set (DDP)
         self.members: list[int] = []  # parameter indices
-        self.slot: dict[int, int] = {}  # parameter index -> position in members
         self.buffers: list = []  # (name, tensor)
         self.group = None
         self.prefix = ""
         self.launched = 0
-        self.in_flight: list = []  # (work, payload, event)
+        self.in_flight: list = []  # (work, payload, row, event, sequence number), oldest first
         self.known: set = set()  # (what, tensor) already reported
         self.dead = False
 
@@ -227,7 +219,6 @@ class ReplicaComparison:
             if ranks is None or self._rank not in ranks:
                 continue
             s = sets.setdefault((ranks, context), _Set(ranks, context, grads))
-            s.slot[i] = len(s.members)
             s.members.append(i)
         if bool(opt("desync_buffers")):
             bset = None
@@ -283,7 +274,7 @@ class ReplicaComparison:
         self._guarded(self._first_step)
 
     def _first_step(self) -> None:
-        tensors = [self._local(i) for i in range(len(self._params))]
+        tensors = [_local(p).detach() for p in self._params]
         hashes = _hashes(tensors)
         ev = _Event(-1, 0, 0, False, self._forwards(), False, None, None, None, first=True)
         for i, h in enumerate(hashes):
@@ -307,8 +298,8 @@ class ReplicaComparison:
             self._steps[opt] = step + 1
         due = not skipped and step % self._every == 0
         sampled = not skipped and self._state_every > 0 and step % self._state_every == 0
-        grad_ok = None
-        if due and self._state_every > 0 and step % self._state_every == 0:
+        grad_ok = None  # the gradients compared: on the sampled steps (the pass hashes them then)
+        if due and sampled:
             grad_ok = set()
             for s in self._sets:
                 if s.grads:
@@ -325,8 +316,7 @@ class ReplicaComparison:
             buffers = {}
             for s in self._sets:
                 if s.buffers:
-                    hs = _hashes([b.detach() for _, b in s.buffers])
-                    buffers.update({id(s): hs})
+                    buffers[id(s)] = _hashes([b.detach() for _, b in s.buffers])
         self._fifo.append(_Event(opt, count, step, skipped, self._forwards(), due, grad_ok, state,
                                  buffers))
         self._pump()
@@ -380,10 +370,6 @@ class ReplicaComparison:
 
     # -- the collectives --------------------------------------------------------------------
 
-    def _local(self, i: int) -> torch.Tensor:
-        p = self._params[i]
-        return (p._local_tensor if _is_dtensor(p) else p).detach()
-
     def _state_hashes(self, opt: int) -> dict:
         """parameter index -> one fingerprint of its optimizer state (every tensor in it)."""
         if opt < 0 or opt >= len(self._optimizers):
@@ -399,7 +385,7 @@ class ReplicaComparison:
                     v = st[k]
                     if isinstance(v, torch.Tensor):
                         keys.append((i, k))
-                        tensors.append((v._local_tensor if _is_dtensor(v) else v).detach())
+                        tensors.append(_local(v).detach())
         out: dict = {}
         for (i, k), h in zip(keys, _hashes(tensors)):
             out[i] = _fold(out.get(i, 0xCBF29CE484222325), k, h)

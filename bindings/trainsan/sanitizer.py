@@ -79,6 +79,8 @@ from ._facts import (  # noqa: E402
     _flat_tensors,
     _group_lrs,
     _header_extra,
+    _is_dtensor,
+    _local,
     _mode_modules,
     _skip_frames,
     _steps_in_flight,
@@ -340,7 +342,7 @@ class Sanitizer:
         self._fsdp_ids = fsdp_ids
         self._unsharded_ids: Optional[set] = None
         external = [int(id(p) in fsdp_ids) for p in params]
-        locals_ = [p._local_tensor if _is_dtensor(p) else p for p in params]
+        locals_ = [_local(p) for p in params]
         index = {}
         for k, p in enumerate(params):
             index.setdefault(id(p), k)
@@ -436,9 +438,7 @@ class Sanitizer:
             self._handle.step_in_flight(k)
         # rank_desync (Note [Replica comparison], replicas.py): a distributed run's replicas.
         self._replicas: Optional[ReplicaComparison] = None
-        self._replicas_active = False
         if self._enabled("rank_desync", checks) and replicas_active():
-            self._replicas_active = True
             self._replicas = ReplicaComparison(
                 self._handle,
                 model,
@@ -687,7 +687,7 @@ class Sanitizer:
         counts, kinds, reasons = self._handle.coverage()
         out = dict(counts)
         out["unchecked"] = dict(zip(kinds, reasons))
-        if self._replicas_active and (self._replicas is None or not self._replicas.sets):
+        if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (
                 "no parameter has replicas on this rank (each is sharded on every mesh dimension "
                 "or marked tensor_model_parallel)"
@@ -803,20 +803,6 @@ class Sanitizer:
                 self.close()
         except Exception:
             pass
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # noqa: BLE001 - torch without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's data of a tensor: a DTensor's local shard (for a replicated loss, the whole
-    value), a plain tensor itself."""
-    return t._local_tensor if _is_dtensor(t) else t
 
 
 def _fsdp_params(model: torch.nn.Module) -> list:

@@ -176,33 +176,12 @@ def _fsdp_loop(rank: int, ws: int, scenario: str) -> dict:
 
 def _tp_loop(rank: int, ws: int, scenario: str) -> dict:
     import trainsan
-    from torch.distributed.tensor import (
-        DTensor,
-        Replicate,
-        Shard,
-        distribute_module,
-        distribute_tensor,
-        init_device_mesh,
-    )
+    from test_stack_fsdp import _tp_model
+    from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    model = MLP()
-
-    def partition(name, module, mesh):
-        placements = {"fc1": ([Shard(0)], [Shard(0)]), "fc2": ([Shard(1)], [Replicate()])}
-        if name in placements:
-            w, b = placements[name]
-            module.weight = torch.nn.Parameter(distribute_tensor(module.weight, mesh, w))
-            module.bias = torch.nn.Parameter(distribute_tensor(module.bias, mesh, b))
-
-    distribute_module(
-        model,
-        mesh,
-        partition,
-        lambda m, inputs, mesh: tuple(DTensor.from_local(t, mesh, [Replicate()]) for t in inputs),
-        lambda m, out, mesh: out.redistribute(mesh, [Replicate()]),
-    )
+    # fc1 column-parallel (Shard(0) weight and bias), fc2 row-parallel (Shard(1) weight,
+    # Replicate() bias) on a mesh dimension named "tp".
+    model, mesh = _tp_model(ws, ("tp",))
     if scenario == "tp_replicated_init" and rank == 1:
         with torch.no_grad():
             model.fc2.bias._local_tensor.add_(1.0)  # BUG (planted): a replicated param differs

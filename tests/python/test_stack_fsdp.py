@@ -178,8 +178,9 @@ def _run_fsdp(rank: int, scenario: str) -> dict:
 # -- DTensor tensor parallelism ----------------------------------------------------------------
 
 
-def _tp_model(world_size: int):
-    """An MLP (8 -> 16 -> 4) whose parameters are DTensors on a 1-D mesh of every rank."""
+def _tp_model(world_size: int, dim_names=None):
+    """An MLP (8 -> 16 -> 4) whose parameters are DTensors on a 1-D mesh of every rank (its
+    dimension named by `dim_names`, e.g. ("tp",)); also test_rank_desync.py's."""
     from torch.distributed.tensor import (
         DTensor,
         Replicate,
@@ -189,7 +190,7 @@ def _tp_model(world_size: int):
         init_device_mesh,
     )
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=dim_names)
     torch.manual_seed(0)
     model = MLP(out=4)
 
