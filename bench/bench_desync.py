@@ -11,6 +11,10 @@ steps:
 - ``no-desync``: ``trainsan.attach(..., checks={"rank_desync": False})`` — the baseline the
   check's cost is measured against;
 - ``desync``: ``trainsan.attach(...)`` at default options (rank_desync every step);
+- ``floor``: ``no-desync`` plus, after every step, a bare asynchronous all-reduce(MAX) of a
+  zero payload as wide as the check's (``[row, ~row]``: 2 x (6 + 6 per parameter) int64) on a
+  separate gloo group, waited for one step later — the transport alone, the floor of any check
+  made of one collective per step;
 - ``sha1``: ``no-desync`` plus, after every step, what Megatron-LM's
   ``check_param_hashes_across_dp_replicas`` does: SHA-1 of every parameter's bytes on the CPU and
   an ``all_gather_object`` of the digests across the data-parallel group.
@@ -44,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GOAL_CPU = 0.03
 GOAL_GPU = 0.01
 GOAL_VS_SHA1 = 100.0
-CONTENDERS = ("plain", "no-desync", "desync", "sha1")
+CONTENDERS = ("plain", "no-desync", "desync", "floor", "sha1")
 
 
 def _sha1_check(model, group=None) -> None:
@@ -74,6 +78,9 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     device = torch.device(args.device)
+    floor_group = dist.new_group(backend="gloo")
+    floor_opts = dist.AllreduceOptions()
+    floor_opts.reduceOp = dist.ReduceOp.MAX
     results = {}
     for kind in args.models:
         torch.manual_seed(0)
@@ -86,10 +93,12 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
             opt = B.make_optimizer("adamw", m)
             san = None
             if name != "plain":
-                checks = {"rank_desync": name == "desync"}
+                checks = {"rank_desync": name == "desync"}  # floor, sha1: as no-desync
                 san = trainsan.attach(m, opt, policy="record", checks=checks)
             cs[name] = (m, opt, san)
         times = {n: [] for n in CONTENDERS}
+        width = 2 * (6 + 6 * len(list(base.parameters())))
+        floor_works = []
         order = list(CONTENDERS)
         rounds = max(1, args.steps // args.block)
         for r in range(rounds + 1):  # round 0: warm-up
@@ -106,10 +115,17 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
                     opt.step()
                     if name == "sha1":
                         _sha1_check(m)
+                    elif name == "floor":
+                        payload = torch.zeros(width, dtype=torch.int64)
+                        floor_works.append(floor_group.allreduce([payload], floor_opts))
+                        while len(floor_works) > 1:
+                            floor_works.pop(0).wait()
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     if r > 0:
                         times[name].append(time.perf_counter() - t)
+        for w in floor_works:
+            w.wait()
         findings = []
         for name, (m, opt, san) in cs.items():
             if san is not None:
@@ -131,7 +147,8 @@ def _table(res: dict, device: str) -> str:
     lines = [f"rank_desync cost per step, 2 gloo processes, {device} (medians; ratios vs "
              "no-desync)",
              f"{'model':<12} {'params':>9} {'plain ms':>9} {'no-desync':>10} {'desync':>9} "
-             f"{'check':>8} {'sha1':>9} {'sha1 cost':>10} {'x cheaper':>10}"]
+             f"{'check':>8} {'floor':>8} {'floor cost':>10} {'sha1':>9} {'sha1 cost':>10} "
+             f"{'x cheaper':>10}"]
     for kind, r in res.items():
         md = r["median"]
         base = md["no-desync"]
@@ -141,6 +158,7 @@ def _table(res: dict, device: str) -> str:
         lines.append(
             f"{kind:<12} {r['params'] / 1e6:>8.2f}M {md['plain'] * 1e3:>9.2f} "
             f"{base * 1e3:>10.2f} {md['desync'] * 1e3:>9.2f} {check / base * 100:>7.2f}% "
+            f"{md['floor'] * 1e3:>8.2f} {(md['floor'] - base) / base * 100:>9.2f}% "
             f"{md['sha1'] * 1e3:>9.2f} {sha / base * 100:>9.1f}% {cheaper:>10.1f}")
     return "\n".join(lines)
 
