@@ -202,11 +202,16 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   LossView v;
   v.step = step;
   v.in_step = grads.in_step();  // a closure's evaluation (LBFGS): nonfinite_loss only
+  v.dtype = c10::toString(loss.scalar_type());
+  if (v.dtype == "Half") v.dtype = "float16";
+  if (v.dtype == "BFloat16") v.dtype = "bfloat16";
+  if (v.dtype == "Float") v.dtype = "float32";
   readback.push_or_consume(start_host_copy(tensor_stats_packed({loss.detach()})),
                            ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
                              v.stats = unpack_stats(host)[0];
                              checks.nonfinite.on_loss(v.stats, v.step);  // first
                              checks.loss.on_loss(v);
+                             checks.precision.on_loss(v);
                              coverage.losses_checked += 1;
                            });
   add_overhead(seconds_since(t0));
@@ -246,10 +251,14 @@ void SanitizerImpl::check_updates_outside_step(int64_t opt) {
   add_overhead(seconds_since(t0));
 }
 
-void SanitizerImpl::amp_skip(int64_t opt) {
-  grads.amp_skip(opt);
-  amp_skips += 1;
-  trace.amp_skip(step, opt);
+void SanitizerImpl::scaler_step(const ScalerStep& s) {
+  if (s.skipped) {
+    grads.amp_skip(s.opt);
+    amp_skips += 1;
+    trace.amp_skip(step, s.opt);
+  }
+  trace.scaler(step, s.opt, s.scale, s.skipped);
+  checks.precision.on_scaler(s, step);
 }
 
 void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outs) {
@@ -421,7 +430,30 @@ void Sanitizer::step_in_flight(int64_t opt) {
   }
 }
 
-void Sanitizer::amp_skip(int64_t opt) { impl_->amp_skip(opt); }
+void Sanitizer::amp_skip(int64_t opt) {
+  ScalerStep s;
+  s.opt = opt;
+  s.skipped = true;
+  scaler_step(s);
+}
+
+void Sanitizer::scaler_step(const ScalerStep& step) {
+  if (impl_->closed) return;
+  impl_->scaler_step(step);
+  report();
+}
+
+bool Sanitizer::provenance_armed() const {
+  return !impl_->closed && impl_->checks.origins.armed(impl_->step);
+}
+
+void Sanitizer::provenance(const Provenance& facts) {
+  if (impl_->closed) return;
+  Provenance p = facts;
+  p.step = impl_->step;
+  impl_->checks.precision.on_provenance(p);
+  report();
+}
 
 void Sanitizer::local_shards(const std::vector<int64_t>& indices,
                              const std::vector<at::Tensor>& params,

@@ -42,7 +42,7 @@ struct SanitizerImpl {
   void check_updates_outside_step(int64_t opt);
   void step_end(int64_t opt, bool lr_zero, bool manual,
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
-  void amp_skip(int64_t opt);
+  void scaler_step(const ScalerStep& s);
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
   void close();
   Coverage coverage_now() const;

@@ -322,6 +322,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   checks.nonfinite.on_step(v);
   checks.magnitudes.on_step(v);
   checks.integrity.on_step(v);
+  checks.precision.on_step(v);
   if (checks.integrity.take_probe_request()) grads.arm_probe(4);  // Note [Zero gradients]
   checks.mode.on_step(v);
 

@@ -109,6 +109,14 @@ void TraceWriter::amp_skip(int64_t step, int64_t opt) {
   line(os.str());
 }
 
+void TraceWriter::scaler(int64_t step, int64_t opt, double scale, bool skipped) {
+  std::ostringstream os;
+  os << "{\"type\":\"scaler\",\"step\":" << step << ",\"optimizer\":" << opt
+     << ",\"scale\":" << opt_number(std::isnan(scale) ? std::nullopt : std::optional<double>(scale))
+     << ",\"skipped\":" << (skipped ? "true" : "false") << "}";
+  line(os.str());
+}
+
 void TraceWriter::step(const StepRecord& r) {
   if (!out_.is_open()) return;
   const StepTotals& t = r.totals;

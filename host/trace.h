@@ -52,6 +52,8 @@ class TraceWriter {
   void finding(const Finding& f);
   void step(const StepRecord& r);
   void amp_skip(int64_t step, int64_t opt);
+  /// One gradient-scaler step: its scale (null where unknown) and whether it skipped.
+  void scaler(int64_t step, int64_t opt, double scale, bool skipped);
   void summary(int64_t steps, int64_t amp_skips, double overhead_s,
                const std::vector<Finding>& findings, const Coverage& coverage);
   void close();

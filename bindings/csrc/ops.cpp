@@ -195,6 +195,56 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("step_in_flight", [](const H& h, int64_t opt) { h->san->step_in_flight(opt); })
       .def("amp_skip", [](const H& h, int64_t opt) { h->san->amp_skip(opt); })
+      .def("scaler_step",
+           [](const H& h, int64_t opt, bool skipped, double scale) {
+             trainsan::ScalerStep s;
+             s.opt = opt;
+             s.skipped = skipped;
+             s.scale = scale;
+             h->san->scaler_step(s);
+             return h->take();
+           })
+      .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
+      .def("provenance",
+           // Flattened: per origin 4 strings (module, type, dtype, autocast) and 6 ints
+           // (backward, inf_only, position, checked, parameters beyond fp16, input), those
+           // parameters'
+           // names and counts in order; per fp16 range overflow 3 strings (module, type, dtype)
+           // and its largest magnitude.
+           [](const H& h, int64_t forward_checked, int64_t backward_checked,
+              std::vector<std::string> origin_strs, std::vector<int64_t> origin_ints,
+              std::vector<std::string> beyond_names, std::vector<int64_t> beyond_counts,
+              std::vector<std::string> range_strs, std::vector<double> range_max) {
+             trainsan::Provenance p;
+             p.forward_checked = forward_checked;
+             p.backward_checked = backward_checked;
+             size_t b = 0;
+             for (size_t k = 0; 4 * k + 3 < origin_strs.size() && 6 * k + 5 < origin_ints.size();
+                  ++k) {
+               trainsan::ModuleOrigin o;
+               o.module = origin_strs[4 * k];
+               o.type = origin_strs[4 * k + 1];
+               o.dtype = origin_strs[4 * k + 2];
+               o.autocast = origin_strs[4 * k + 3];
+               o.backward = origin_ints[6 * k] != 0;
+               o.inf_only = origin_ints[6 * k + 1] != 0;
+               o.position = origin_ints[6 * k + 2];
+               o.checked = origin_ints[6 * k + 3];
+               for (int64_t j = 0; j < origin_ints[6 * k + 4] && b < beyond_names.size() &&
+                                   b < beyond_counts.size();
+                    ++j, ++b) {
+                 o.beyond_fp16.emplace_back(beyond_names[b], beyond_counts[b]);
+               }
+               o.input = origin_ints[6 * k + 5] != 0;
+               (o.backward ? p.backward : p.forward) = std::move(o);
+             }
+             for (size_t k = 0; 3 * k + 2 < range_strs.size() && k < range_max.size(); ++k) {
+               p.fp16_range.push_back(
+                   {range_strs[3 * k], range_strs[3 * k + 1], range_strs[3 * k + 2], range_max[k]});
+             }
+             h->san->provenance(p);
+             return h->take();
+           })
       .def("local_shards",
            [](const H& h, std::vector<int64_t> indices, std::vector<at::Tensor> params,
               std::vector<std::optional<at::Tensor>> grads) {

@@ -45,15 +45,32 @@ _step_counts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.
 _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
+def _scale_of(scaler, skipped: bool) -> float:
+    """The scale this step's gradients were multiplied by (update() has not run yet): read on
+    the CPU, and on a GPU only at a skip (a device sync: rare in a healthy run); NaN otherwise."""
+    s = getattr(scaler, "_scale", None)
+    if not isinstance(s, torch.Tensor):
+        return float("nan")
+    if s.device.type != "cpu" and not skipped:
+        return float("nan")
+    try:
+        return float(s)
+    except Exception:  # noqa: BLE001 - never fail the user's step over this
+        return float("nan")
+
+
 def _scaler_step() -> list:
     orig = torch.amp.GradScaler.step
 
     def step(self, optimizer, *args, **kwargs):
         before = _step_counts.get(optimizer, 0)
         out = orig(self, optimizer, *args, **kwargs)
-        if _step_counts.get(optimizer, 0) == before:
-            for san in list(_watchers.get(optimizer, [])):
-                san._amp_skip(optimizer)
+        watchers = _watchers.get(optimizer)
+        if watchers and self.is_enabled():
+            skipped = _step_counts.get(optimizer, 0) == before
+            scale = _scale_of(self, skipped)
+            for san in list(watchers):
+                san._scaler_step(optimizer, skipped, scale)
         return out
 
     step.__wrapped__ = orig  # type: ignore[attr-defined]

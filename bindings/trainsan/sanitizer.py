@@ -86,6 +86,7 @@ from ._facts import (  # noqa: E402
     _steps_in_flight,
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
+from .precision import Provenance  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
 from .replicas import active as replicas_active  # noqa: E402
 from ._patches import (  # noqa: E402
@@ -313,6 +314,7 @@ class Sanitizer:
         self._last_train_forward = -1  # _forward_clock at this model's latest training forward
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._handles: list = []
+        self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
         self._py_overhead = 0.0
         names, params, opt_index, group_index = [], [], [], []
         where = {}  # id(param) -> (optimizer, group)
@@ -484,6 +486,7 @@ class Sanitizer:
                 self._label_guard.pop()
         if training and torch.is_grad_enabled():
             self._autograd_window()
+            self._prov.begin_forward()
         self._py_overhead += time.perf_counter() - t0
         self._apply(found)
         return None
@@ -537,6 +540,7 @@ class Sanitizer:
             if self._replicas is not None:
                 self._replicas.first_step()
             self._stepping.add(k)
+            self._prov.read_all()
             self._apply(self._handle.step_begin(k))
 
     def _grad_leaf_ids(self) -> set:
@@ -611,12 +615,16 @@ class Sanitizer:
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
         self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
 
-    def _amp_skip(self, opt) -> None:
-        if not self._closed and opt in self._optimizers:
-            k = self._optimizers.index(opt)
-            self._handle.amp_skip(k)
-            if self._replicas is not None:
-                self._replicas.on_step(k, skipped=True)
+    def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
+        """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
+        if self._closed or opt not in self._optimizers:
+            return
+        k = self._optimizers.index(opt)
+        if skipped:
+            self._prov.read_all()  # the skipped step's flags, before the scaler's finding
+        self._apply(self._handle.scaler_step(k, skipped, scale))
+        if skipped and self._replicas is not None:
+            self._replicas.on_step(k, skipped=True)
 
     def _first_watch(self, loss: torch.Tensor) -> bool:
         """True the first time this tensor object is seen since the last step (Note [Loss
@@ -636,6 +644,7 @@ class Sanitizer:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
         if self._closed or not self._first_watch(loss):
             return
+        self._prov.read_forward()
         self._apply(self._handle.loss(_local(loss)))
 
     def _take_overhead(self) -> float:
@@ -658,6 +667,7 @@ class Sanitizer:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"watch_loss: expected a tensor, got {type(loss).__name__}")
         if not self._closed and self._first_watch(loss):
+            self._prov.read_forward()
             self._apply(self._handle.loss(_local(loss)))
         return loss
 
@@ -741,6 +751,8 @@ class Sanitizer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self, "_prov", None) is not None:
+            self._prov.close()
         for opt in self._optimizers:
             ws = _watchers.get(opt, [])
             if self in ws:

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <optional>
 #include <string>
@@ -14,6 +15,7 @@
 #include "finding_sink.h"
 #include "trainsan/autograd_facts.h"
 #include "trainsan/options.h"
+#include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
 #include "trainsan/tensor_stats.h"
 
@@ -147,11 +149,42 @@ struct ForwardView {
   std::vector<size_t> train_mode_dependent;
 };
 
+/// Overflow provenance (Note [Overflow provenance], precision.cpp): which steps arm the module
+/// hooks, and what the armed steps found, for the families that word where a non-finite value
+/// came from (NonfiniteCheck, PrecisionCheck).
+class Origins {
+ public:
+  explicit Origins(const Options& opts) : opts_(opts) {}
+  /// Whether the training forward of `step` is armed: every provenance_every-th step, and the
+  /// provenance_rearm steps after one where a non-finite value or a scaler skip was seen.
+  bool armed(int64_t step) const;
+  /// A non-finite value (loss, gradient) or a scaler skip at `step`: arm the following steps.
+  void rearm(int64_t step);
+  /// Keeps the facts of one armed step (merged with those already kept for that step).
+  void record(const Provenance& p);
+  /// The facts kept for `step`, or nullptr.
+  const Provenance* at(int64_t step) const;
+  /// The most recent kept step at or before `step` (within `window` steps) with an origin.
+  const Provenance* latest(int64_t step, int64_t window) const;
+  /// " It first appeared at ..." for the origin(s) kept for `step`; "" when none.
+  std::string describe(int64_t step) const;
+
+ private:
+  const Options& opts_;
+  std::deque<Provenance> recent_;  // the last few armed steps, oldest first
+  int64_t armed_until_ = -1;       // steps <= this one are armed (rearm)
+};
+
+/// Words one origin: "at the output of mid (Linear, float16 under float16 autocast; 2nd of 3
+/// outputs checked), +Inf only: an fp16 overflow ...".
+std::string origin_text(const ModuleOrigin& o);
+
 /// Each family: one class, one file. Constructed with the sink and the options; the sanitizer
 /// calls every family's event methods in the order of Checks.
 class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, fp16_overflow
  public:
-  NonfiniteCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  NonfiniteCheck(FindingSink& sink, const Options& opts, Origins& origins)
+      : sink_(sink), opts_(opts), origins_(origins) {}
   void on_loss(const TensorStats& loss, int64_t step);
   void on_step(const StepView& v);
   void on_module_output(const ModuleRef& module, const TensorStats& output, int64_t step);
@@ -159,6 +192,7 @@ class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, 
  private:
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
+  Origins& origins_;
 };
 
 class GradientFlowCheck {  // gradient_flow.cpp: missing_grad, stale_grad, param_not_in_optimizer,
@@ -254,6 +288,7 @@ class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data])
 struct LossView {
   int64_t step = 0;
   TensorStats stats;     ///< value: sum / numel (a scalar's value)
+  std::string dtype;     ///< "float16", "bfloat16", "float32", ... ("" where unknown)
   bool in_step = false;  ///< evaluated inside an optimizer step (a closure): not a step's loss
 };
 
@@ -319,19 +354,59 @@ class ReplicaCheck {  // replicas.cpp: rank_desync (Note [Replica comparison], r
   const Options& opts_;
 };
 
+class PrecisionCheck {  // precision.cpp: amp_scale_collapse, update_underflow,
+                        // low_precision_loss, fp16_overflow of module outputs
+ public:
+  PrecisionCheck(FindingSink& sink, const Options& opts, Origins& origins)
+      : sink_(sink), opts_(opts), origins_(origins) {}
+  /// One step of a gradient scaler (amp_scale_collapse).
+  void on_scaler(const ScalerStep& s, int64_t step);
+  /// What the armed module hooks found (kept in Origins; fp16_overflow of the cause).
+  void on_provenance(const Provenance& p);
+  void on_loss(const LossView& v);  // low_precision_loss
+  void on_step(const StepView& v);  // update_underflow
+  /// The scale history kept for optimizer `opt`'s scaler, oldest first: (step, scale, skipped).
+  struct ScaleEntry {
+    int64_t step = 0;
+    double scale = 0.0;
+    bool skipped = false;
+  };
+
+ private:
+  struct Scaler {
+    int64_t opt = 0;
+    bool stepped = false;     // a step was taken since attach: the scale is past its warm-up
+    int64_t run = 0;          // consecutive skips
+    int64_t skips = 0;        // all skips
+    std::deque<bool> window;  // the last amp_skip_window events after warm-up (true: skipped)
+    std::deque<ScaleEntry> history;  // the scales at the last skips and steps (bounded)
+  };
+  Scaler& scaler(int64_t opt);
+  void collapse(const Scaler& s, const std::string& why, double value, int64_t step);
+  FindingSink& sink_;
+  const Options& opts_;
+  Origins& origins_;
+  std::vector<Scaler> scalers_;
+  // Per parameter index: consecutive measured steps with most updates rounded away.
+  std::vector<int64_t> underflow_steps_;
+};
+
 /// Every family, in the order the sanitizer runs them on a step (the order findings appear in:
 /// the hook observations, the numbers of the pass, the step-level rules, the mode).
 struct Checks {
   Checks(FindingSink& sink, const Options& opts, size_t num_params)
-      : flow(sink, opts, num_params),
-        nonfinite(sink, opts),
+      : origins(opts),
+        flow(sink, opts, num_params),
+        nonfinite(sink, opts, origins),
         magnitudes(sink, opts),
         integrity(sink, opts),
         mode(sink, opts),
         inputs(sink, opts),
         loss(sink, opts),
         autograd(sink, opts),
-        replicas(sink, opts) {}
+        replicas(sink, opts),
+        precision(sink, opts, origins) {}
+  Origins origins;
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
   MagnitudeCheck magnitudes;
@@ -341,6 +416,7 @@ struct Checks {
   LossCheck loss;
   AutogradCheck autograd;
   ReplicaCheck replicas;
+  PrecisionCheck precision;
 };
 
 }  // namespace trainsan::host

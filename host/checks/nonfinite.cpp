@@ -18,21 +18,37 @@ std::string nonfinite_text(const TensorStats& s) {
 
 void NonfiniteCheck::on_loss(const TensorStats& loss, int64_t step) {
   if (loss.nonfinite() == 0) return;
+  origins_.rearm(step);
+  std::string origin = origins_.describe(step);
+  if (origin.empty()) {
+    origin =
+        " (Module outputs are flagged on sampled steps and on the steps after a non-finite "
+        "value: with policy 'warn' or 'record' the next steps name the module where it "
+        "appears; provenance_every=1 flags every step.)";
+  }
   sink_.add(Kind::nonfinite_loss, "",
             "the loss holds " + nonfinite_text(loss) +
                 " — check the model outputs and the loss inputs (log of 0, division by 0, too "
-                "large a learning rate in the previous step)",
+                "large a learning rate in the previous step)." +
+                origin,
             static_cast<double>(loss.nonfinite()), step);
 }
 
 void NonfiniteCheck::on_step(const StepView& v) {
+  bool first_grad = true;
   for (const ParamView& p : v.params) {
     if (p.grad && p.grad->nonfinite() > 0) {
+      origins_.rearm(v.step);
+      // The origin, once per step: on the first non-finite gradient's finding.
+      const std::string origin = first_grad ? origins_.describe(v.step) : std::string();
+      first_grad = false;
       sink_.add(Kind::nonfinite_grad, p.name,
                 p.name + ".grad holds " + nonfinite_text(*p.grad) +
                     " — look for log/sqrt/division of zero or negative values, too large a "
-                    "learning rate, or fp16 overflow in the forward; "
-                    "torch.autograd.set_detect_anomaly(True) names the op",
+                    "learning rate, or fp16 overflow in the forward" +
+                    (origin.empty() ? std::string("; torch.autograd.set_detect_anomaly(True) "
+                                                  "names the op")
+                                    : "." + origin),
                 static_cast<double>(p.grad->nonfinite()), v.step);
     }
     if (p.param.nonfinite() > 0) {

@@ -80,7 +80,8 @@ TEST(StepTotals, FirstOfEqualGradientsIsTheTopAndNoGradientNone) {
 TEST(NonfiniteCheck, LossMessageAndValue) {
   FakeSink sink;
   Options o;
-  NonfiniteCheck c(sink, o);
+  Origins origins(o);
+  NonfiniteCheck c(sink, o, origins);
   c.on_loss(stats(1.0, 1), 3);
   EXPECT_TRUE(sink.calls.empty());
   TensorStats s = stats(1.0, 8);
@@ -93,7 +94,9 @@ TEST(NonfiniteCheck, LossMessageAndValue) {
   EXPECT_EQ(sink.calls[0].message,
             "the loss holds 1 NaN, 2 +Inf and 0 -Inf values of 8 — check the model outputs and "
             "the loss inputs (log of 0, division by 0, too large a learning rate in the previous "
-            "step)");
+            "step). (Module outputs are flagged on sampled steps and on the steps after a "
+            "non-finite value: with policy 'warn' or 'record' the next steps name the module "
+            "where it appears; provenance_every=1 flags every step.)");
   EXPECT_EQ(sink.calls[0].value, 3.0);
   EXPECT_EQ(sink.calls[0].step, 3);
 }
@@ -101,7 +104,8 @@ TEST(NonfiniteCheck, LossMessageAndValue) {
 TEST(NonfiniteCheck, PerParameterInterleavingAndMessages) {
   FakeSink sink;
   Options o;
-  NonfiniteCheck c(sink, o);
+  Origins origins(o);
+  NonfiniteCheck c(sink, o, origins);
   StepView v;
   v.step = 7;
   v.fp16_in_use = true;
@@ -141,7 +145,8 @@ TEST(NonfiniteCheck, ModuleOutputWithAndWithoutType) {
   FakeSink sink;
   sink.enabled[Kind::nonfinite_activation] = true;  // opt-in
   Options o;
-  NonfiniteCheck c(sink, o);
+  Origins origins(o);
+  NonfiniteCheck c(sink, o, origins);
   TensorStats s = stats(1.0, 10);
   c.on_module_output({"fc1", "Linear"}, s, 2);
   EXPECT_TRUE(sink.calls.empty());

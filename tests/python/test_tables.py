@@ -29,13 +29,16 @@ IMPLEMENTED = {
     "batch_mismatch": "error",
     "duplicate_batch": "warning",
     "fp16_overflow": "warning",
+    "amp_scale_collapse": "error",
+    "update_underflow": "warning",
+    "low_precision_loss": "warning",
     "inplace_before_backward": "error",
     "bad_custom_grad": "error",
     "loss_spike": "warning",
     "trivial_loss": "warning",
     "rank_desync": "error",
 }
-UNIMPLEMENTED = ["nondeterminism", "amp_scale_collapse", "bad_checkpoint"]
+UNIMPLEMENTED = ["nondeterminism", "bad_checkpoint"]
 
 
 def _setup():

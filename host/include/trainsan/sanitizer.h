@@ -18,6 +18,7 @@
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
+#include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
 #include "trainsan/stats.h"
 
@@ -143,8 +144,17 @@ class Sanitizer {
                     const std::vector<at::Tensor>& grads);
   /// A gradient was accumulated into parameter `index` (Parameter::external_grad_hook).
   void grad_accumulated(int64_t index);
-  /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients.
+  /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients (a
+  /// scaler_step with an unknown scale).
   void amp_skip(int64_t opt);
+  /// A gradient scaler's step (amp_scale_collapse; traced): skipped or taken, and its scale.
+  void scaler_step(const ScalerStep& step);
+  /// Whether the current step's training forward and backward get the overflow-provenance flags
+  /// (Note [Overflow provenance] in host/checks/precision.cpp: sampled, and after a non-finite).
+  bool provenance_armed() const;
+  /// What the armed module hooks found in the current step (give the forward's before the loss
+  /// is watched, the backward's before the step ends: the non-finite findings quote them).
+  void provenance(const Provenance& facts);
   /// The op audit ignores this thread's ops (and its autograd nodes) while paused: a compiled
   /// call of the model, whose tracing runs autograd nodes inside the forward (AOTAutograd's
   /// joint trace) and whose graph's ops are not audited (Note [Compiled regions]). Nests.
