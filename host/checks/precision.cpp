@@ -138,8 +138,8 @@ std::string Origins::describe(int64_t step) const {
   if (p->forward) {
     out += " It first appeared in the forward at " + origin_text(*p->forward) + ".";
   } else if (p->forward_checked > 0) {
-    out +=
-        " The forward's " + std::to_string(p->forward_checked) + " module outputs were all finite.";
+    out += " The forward's " + std::to_string(p->forward_checked) +
+           " flagged tensors (module inputs and outputs) were all finite.";
   }
   // A forward origin explains the backward's non-finite gradients: only the forward's is said.
   if (p->backward && !p->forward) {

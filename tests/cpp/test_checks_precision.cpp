@@ -164,8 +164,8 @@ TEST(Origins, DescribesTheForwardOriginFirst) {
   origins.record(clean);
   const std::string b = origins.describe(5);
   EXPECT_TRUE(has(b,
-                  "The forward's 7 module outputs were all finite. It first appeared in the "
-                  "backward at the gradient of the output of enc.out"))
+                  "The forward's 7 flagged tensors (module inputs and outputs) were all finite. "
+                  "It first appeared in the backward at the gradient of the output of enc.out"))
       << b;
   ModuleOrigin in = origin("enc.mid");
   in.input = true;
