@@ -60,7 +60,7 @@ class _Pass:
 
     def __init__(self) -> None:
         self.meta: list = []  # (module name, module, type, dtype, autocast, is an input)
-        self.values: list = []  # 1-d tensors [min, max] (float32) on the tensor's device
+        self.values: list = []  # (min, max): 0-d tensors on the tensor's device, in its dtype
         self.seen: dict = {}  # id -> tensor flagged (kept alive: ids are not reused meanwhile)
 
     def add(self, name: str, module, t: torch.Tensor, autocast: str, is_input=False) -> None:
@@ -68,21 +68,25 @@ class _Pass:
         local = _local(t).detach()  # a DTensor: this rank's shard
         if local.numel() == 0:
             return
-        mn, mx = torch.aminmax(local)
-        self.values.append(torch.stack([mn.float(), mx.float()]))
+        self.values.append(torch.aminmax(local))  # one reduction; stacked when read
         self.meta.append(
             (name, module, type(module).__name__, _dtype_name(t.dtype), autocast, is_input))
 
     def read(self) -> Optional[torch.Tensor]:
-        """[n, 2] float32 on the host (one read per device)."""
+        """[n, 2] float64 on the host (one stack and one read per device and dtype)."""
         if not self.values:
             return None
-        by_dev: dict = {}
-        for k, v in enumerate(self.values):
-            by_dev.setdefault(v.device, []).append(k)
-        out = torch.empty(len(self.values), 2)
-        for dev, ks in by_dev.items():
-            out[ks] = torch.stack([self.values[k] for k in ks]).cpu()
+        groups: dict = {}
+        for k, (mn, _) in enumerate(self.values):
+            groups.setdefault((mn.device, mn.dtype), []).append(k)
+        out = torch.empty(len(self.values), 2, dtype=torch.float64)
+        for ks in groups.values():
+            pairs = torch.stack([torch.stack(self.values[k]) for k in ks]) if len(ks) < 2 else None
+            if pairs is None:
+                mins = torch.stack([self.values[k][0] for k in ks])
+                maxs = torch.stack([self.values[k][1] for k in ks])
+                pairs = torch.stack([mins, maxs], dim=1)
+            out[ks] = pairs.double().cpu()
         return out
 
 
