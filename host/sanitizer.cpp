@@ -519,6 +519,18 @@ bool Sanitizer::inplace_check_step() const {
          impl_->checks.autograd.inplace_sampled(impl_->step);
 }
 
+bool Sanitizer::headroom_due() const {
+  const int64_t every = impl_->opts.headroom_every;
+  return !impl_->closed && impl_->trace.is_open() && every > 0 && impl_->step % every == 0;
+}
+
+void Sanitizer::trace_record(const std::string& json_object) {
+  TORCH_CHECK_VALUE(!json_object.empty() && json_object.front() == '{' &&
+                        json_object.back() == '}' && json_object.find('\n') == std::string::npos,
+                    "trace_record: expected one JSON object on one line");
+  if (!impl_->closed) impl_->trace.line(json_object);
+}
+
 bool Sanitizer::gradcheck_step() const {
   return !impl_->closed && !impl_->grads.in_step() && impl_->opts.enabled("bad_custom_grad") &&
          impl_->checks.autograd.gradcheck_sampled(impl_->step);

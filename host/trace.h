@@ -57,9 +57,10 @@ class TraceWriter {
   void summary(int64_t steps, int64_t amp_skips, double overhead_s,
                const std::vector<Finding>& findings, const Coverage& coverage);
   void close();
+  /// One record, a JSON object on one line, written as it is (flushed like the others).
+  void line(const std::string& json);
 
  private:
-  void line(const std::string& json);
   const Options& opts_;
   std::ofstream out_;
 };

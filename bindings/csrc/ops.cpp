@@ -205,6 +205,8 @@ TORCH_LIBRARY(trainsan, m) {
              return h->take();
            })
       .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
+      .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
+      .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })
       .def("provenance",
            // Flattened: per origin 4 strings (module, type, dtype, autocast) and 6 ints
            // (backward, inf_only, position, checked, parameters beyond fp16, input), those

@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainsan {demo,run,info,report,diff,tensorboard}``."""
+"""Command line: ``python -m trainsan {demo,run,info,report,precision,diff,tensorboard}``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--png", help="also plot the global norms to this PNG (needs matplotlib)")
     rep.add_argument("--html", help="also write a self-contained HTML report (provenance, "
                      "findings timeline, norms, per-layer heat maps, coverage) to this file")
+    pre = sub.add_parser("precision", help="precision headroom: which tensors of a trace fit "
+                         "float16, bfloat16, FP8 E4M3/E5M2")
+    pre.add_argument("trace")
+    pre.add_argument("--what", choices=("weight", "grad", "output"),
+                     help="only weights, gradients or module outputs")
     dif = sub.add_parser("diff", help="first step and tensor where two runs diverge")
     dif.add_argument("a")
     dif.add_argument("b")
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA device visible: {torch.cuda.is_available()}")
         print(f"CMake prefix path (find_package(trainsan)): {trainsan.cmake_prefix_path}")
         return 0
-    from .report import TraceError, diff_runs, rank_traces, report_many
+    from .report import TraceError, diff_runs, precision, rank_traces, report_many
 
     try:
         if args.cmd == "report":
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                 from .html_report import write_html
 
                 print(write_html(paths, args.html))
+        elif args.cmd == "precision":
+            print(precision(args.trace, args.what))
         elif args.cmd == "tensorboard":
             from .tensorboard import export_many
 

@@ -15,6 +15,8 @@ change an output or a gradient, and are removed when the pass's flags are read.
 
 from __future__ import annotations
 
+import json
+import struct
 import warnings
 import weakref
 from typing import Any, Optional
@@ -62,6 +64,7 @@ class _Pass:
         self.meta: list = []  # (module name, module, type, dtype, autocast, is an input)
         self.values: list = []  # (min, max): 0-d tensors on the tensor's device, in its dtype
         self.seen: dict = {}  # id -> tensor flagged (kept alive: ids are not reused meanwhile)
+        self.ranges: list = []  # headroom steps: (module name, dtype, range_counts(output))
 
     def add(self, name: str, module, t: torch.Tensor, autocast: str, is_input=False) -> None:
         self.seen[id(t)] = t
@@ -101,6 +104,9 @@ class Provenance:
         self._forward: Optional[_Pass] = None
         self._backward: Optional[_Pass] = None
         self._backward_done = True
+        self._headroom = False  # this forward records its outputs' range counts
+        self._ranged: set = set()
+        self._step = 0
         self.disabled = False  # a compiled model: hooks would make dynamo recompile
 
     # -- arming ------------------------------------------------------------------------------
@@ -109,7 +115,11 @@ class Provenance:
         """A training forward starts: read what the previous passes left, arm if due."""
         self.read_all()
         san = self._san_ref()
-        if san is None or self.disabled or not san._handle.provenance_armed():
+        if san is None or self.disabled:
+            return
+        self._headroom = san._handle.headroom_due()
+        self._step = san._handle.step()
+        if not (self._headroom or san._handle.provenance_armed()):
             return
         self._forward = _Pass()
         self._backward = _Pass()
@@ -145,6 +155,9 @@ class Provenance:
             for t in _float_tensors(out, []):
                 ac = _autocast_dtype(t.device.type)
                 fwd.add(name, module, t, ac)
+                if self._headroom and id(t) not in self._ranged:
+                    self._ranged.add(id(t))
+                    fwd.ranges.append((name, t.dtype, range_counts(t)))
                 if t.requires_grad:
                     t.register_hook(
                         lambda g, _n=name, _m=module, _ac=ac: self._grad_hook(bwd, _n, _m, g, _ac)
@@ -172,8 +185,25 @@ class Provenance:
         """Before a loss is watched: the forward's flags to the sanitizer."""
         fwd, self._forward = self._forward, None
         self._disarm()
+        self._ranged = set()
         if fwd is not None and fwd.values:
             self._guarded(fwd, False)
+        if fwd is not None and fwd.ranges:
+            self._write_ranges(fwd.ranges)
+
+    def _write_ranges(self, ranges: list) -> None:
+        san = self._san_ref()
+        if san is None or san._closed:
+            return
+        try:
+            counts = [c for _, _, c in ranges]
+            rows = _read_rows(counts)
+            for (name, dtype, _), row in zip(ranges, rows):
+                san._handle.trace_record(json.dumps(
+                    range_record(self._step, "output", name or "(model)", dtype, row)))
+        except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
+            warnings.warn(f"trainsan: precision headroom of module outputs skipped "
+                          f"({type(exc).__name__}: {exc})", stacklevel=4)
 
     def read_all(self) -> None:
         """Before the step (or a scaler skip, or the next forward): both passes' flags."""
@@ -248,3 +278,112 @@ class Provenance:
         if san is not None and not san._closed:
             san._apply(san._handle.provenance(
                 fc, bc, origin_strs, origin_ints, names, counts, range_strs, range_max))
+
+
+# -- precision headroom ------------------------------------------------------------------------
+#
+# Note [Precision headroom]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Which tensors would survive a move to a narrower format, before the user tries? Per tensor, on
+# the steps headroom_every samples (with a trace): of its finite nonzero values, how many would
+# overflow (round to ±Inf or, in FP8 E4M3, NaN), round to zero, or land in the subnormal range
+# (precision lost) when cast to each format. float16 and bfloat16 are judged as autocast casts
+# them (unscaled); the FP8 formats under per-tensor amax scaling as Transformer Engine applies it:
+# y = |x| * (fmax / amax) in float32, then cast. The thresholds are the formats' own rounding
+# boundaries under round-to-nearest-even: a value rounds to zero at or below half the smallest
+# subnormal (the tie goes to the even zero), rounds to a subnormal below the midpoint between the
+# largest subnormal and the smallest normal, and overflows at or above the midpoint between the
+# largest finite value and the next step of the exponent. One bucketize per format over |x| (or
+# the scaled |x|) counts every class at once, on the tensor's device; the counts of a step come
+# back in one read. Tested against real casts (tests/python/test_precision_headroom.py).
+
+
+def _below(v: float, dtype: torch.dtype) -> float:
+    """The largest value of `dtype` below v (a "<" boundary for bucketize, which counts "<=")."""
+    return float(torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+# name -> (largest finite, overflow midpoint, smallest normal, round-to-zero bound, scaled)
+FORMATS = {
+    "float16": (65504.0, 65520.0, 2.0 ** -14, 2.0 ** -25, False),
+    "bfloat16": (_f32(0x7F7F0000), _f32(0x7F7F8000), 2.0 ** -126, 2.0 ** -134, False),
+    "float8_e4m3": (448.0, 464.0, 2.0 ** -6, 2.0 ** -10, True),
+    "float8_e5m2": (57344.0, 59392.0, 2.0 ** -14, 2.0 ** -17, True),
+}
+CLASSES = ("zero", "subnormal", "overflow")  # per format, in the trace's lists
+_BOUNDS: dict = {}
+
+
+def _bounds(device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
+    key = (device, dtype, name)
+    b = _BOUNDS.get(key)
+    if b is None:
+        _, ovf, normal, zero, _ = FORMATS[name]
+        # bucket 0: <= 0; 1: (0, zero] rounds to 0; 2: rounds to a subnormal, i.e. below the
+        # midpoint normal - zero between the largest subnormal and the smallest normal (the tie
+        # goes to the even normal); 3: normal; 4: >= the overflow midpoint.
+        b = torch.tensor([0.0, zero, _below(normal - zero, dtype), _below(ovf, dtype)],
+                         dtype=dtype, device=device)
+        _BOUNDS[key] = b
+    return b
+
+
+def range_counts(t: torch.Tensor) -> tuple:
+    """(int64 [3 + 3 * len(FORMATS)], amax) on t's device: numel, non-finite, finite nonzero,
+    then per format (FORMATS order) the finite nonzero values that round to zero, land in the
+    subnormal range, overflow (CLASSES); amax is the largest finite magnitude (float64, 0-d)."""
+    x = _local(t).detach()
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    a = x.abs().to(dt).reshape(-1)
+    fin = torch.isfinite(a)
+    a = torch.where(fin, a, torch.zeros((), dtype=dt, device=a.device))
+    amax = a.amax() if a.numel() else torch.zeros((), dtype=dt, device=a.device)
+    nonzero = (a > 0).sum().view(1)
+    parts = [torch.tensor([a.numel()], device=a.device), (~fin).sum().view(1), nonzero]
+    idx = torch.tensor([2, 4], device=a.device)
+    for name, (fmax, _, _, _, scaled) in FORMATS.items():
+        if scaled:  # per-tensor amax scaling, computed in float32 as the FP8 recipes do
+            scale = torch.where(amax > 0, fmax / amax.float(), torch.ones((), device=a.device))
+            y = a.float() * scale
+            b = _bounds(a.device, torch.float32, name)
+        else:
+            y, b = a, _bounds(a.device, dt, name)
+        buckets = torch.bincount(torch.bucketize(y, b), minlength=5)
+        # To zero: every nonzero value in buckets 0-1 (a scaled value can underflow float32
+        # itself and land on 0).
+        to_zero = (buckets[0] + buckets[1]).view(1) - (a.numel() - nonzero)
+        parts += [to_zero, buckets[idx]]
+    return torch.cat(parts), amax.double()
+
+
+def range_rows(tensors: list) -> list:
+    """[(counts as ints, amax)] of each tensor (range_counts), one read per device."""
+    return _read_rows([range_counts(t) for t in tensors])
+
+
+def _read_rows(got: list) -> list:
+    out: list = [None] * len(got)
+    groups: dict = {}
+    for k, (c, _) in enumerate(got):
+        groups.setdefault(c.device, []).append(k)
+    for ks in groups.values():
+        ints = torch.stack([got[k][0] for k in ks]).cpu().tolist()
+        amax = torch.stack([got[k][1] for k in ks]).cpu().tolist()
+        for j, k in enumerate(ks):
+            out[k] = (ints[j], amax[j])
+    return out
+
+
+def range_record(step: int, what: str, name: str, dtype: torch.dtype, row: tuple) -> dict:
+    """One trace record {"type": "range", ...} of range_rows' row."""
+    ints, amax = row
+    rec = {"type": "range", "step": step, "what": what, "tensor": name,
+           "dtype": _dtype_name(dtype), "numel": ints[0], "nonfinite": ints[1],
+           "nonzero": ints[2], "amax": amax}
+    for k, name_ in enumerate(FORMATS):
+        rec[name_] = ints[3 + 3 * k: 6 + 3 * k]
+    return rec

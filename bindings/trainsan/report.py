@@ -53,9 +53,12 @@ def rank_traces(path: str) -> list:
 
 def load_trace(path: str) -> dict:
     """The records of one trace, by type: ``path``, ``header`` (or None), ``steps``,
-    ``findings``, ``summary`` (None: the run ended early) and ``amp`` (the AMP-skip records)."""
-    t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": []}
-    lists = {"step": "steps", "finding": "findings", "amp_skip": "amp"}
+    ``findings``, ``summary`` (None: the run ended early), ``amp`` (the AMP-skip records),
+    ``scaler`` (every gradient-scaler step) and ``ranges`` (precision-headroom counts)."""
+    t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": [],
+         "scaler": [], "ranges": []}
+    lists = {"step": "steps", "finding": "findings", "amp_skip": "amp", "scaler": "scaler",
+             "range": "ranges"}
     for rec in read_trace(path):
         kind = rec["type"]
         if kind in ("header", "summary"):
@@ -163,6 +166,10 @@ def _report_text(t: dict, png: Optional[str]) -> str:
         if gn:
             lines.append(f"  global grad norm: first {gn[0]:.4g}, last {gn[-1]:.4g}, "
                          f"max {max(gn):.4g}")
+    if t["scaler"]:
+        lines.append("  " + _scaler_line(t["scaler"]))
+    if t["ranges"]:
+        lines.append("  " + headroom_summary(t["ranges"]))
     counts = summary.get("findings", {}) if summary else {}
     if findings:
         lines.append(f"  {len(findings)} distinct finding(s):")
@@ -172,12 +179,111 @@ def _report_text(t: dict, png: Optional[str]) -> str:
     else:
         lines.append("  no findings")
     if png:
-        _plot(steps, png)
+        _plot(steps, png, t["scaler"])
         lines.append(f"  plot written to {png}")
     return "\n".join(lines)
 
 
-def _plot(steps: list, png: str) -> None:
+def _scaler_line(recs: list) -> str:
+    skipped = [r for r in recs if r.get("skipped")]
+    scales = [r["scale"] for r in recs if r.get("scale") is not None]
+    out = f"gradient scaler: {len(recs)} steps, {len(skipped)} skipped"
+    if scales:
+        out += (f"; scale first {scales[0]:.6g}, last {scales[-1]:.6g}, "
+                f"min {min(scales):.6g}")
+    return out
+
+
+# -- precision headroom (Note [Precision headroom], precision.py) ----------------------------
+
+HEADROOM_ZERO = 0.001  # a format is safe for a tensor where at most 0.1% of its values round to 0
+HEADROOM_SUB = 0.01  # ... at most 1% land in the subnormal range, and none overflows
+
+
+def _headroom_cells(recs: list) -> dict:
+    """format -> (safe, text) over a tensor's sampled records (the worst of each class)."""
+    from .precision import FORMATS
+
+    out = {}
+    for fmt in FORMATS:
+        ovf = max(r[fmt][2] for r in recs)
+        zero = max(r[fmt][0] / r["nonzero"] for r in recs if r["nonzero"]) if any(
+            r["nonzero"] for r in recs) else 0.0
+        sub = max(r[fmt][1] / r["nonzero"] for r in recs if r["nonzero"]) if any(
+            r["nonzero"] for r in recs) else 0.0
+        if ovf:
+            out[fmt] = (False, f"OVERFLOW {ovf}")
+        elif zero > HEADROOM_ZERO:
+            out[fmt] = (False, f"{zero * 100:.2g}% to 0")
+        elif sub > HEADROOM_SUB:
+            out[fmt] = (False, f"{sub * 100:.2g}% subn")
+        else:
+            out[fmt] = (True, "ok")
+    return out
+
+
+def _by_tensor(ranges: list) -> dict:
+    out: dict = {}
+    for r in ranges:
+        out.setdefault((r["what"], r["tensor"]), []).append(r)
+    return out
+
+
+def headroom_summary(ranges: list) -> str:
+    from .precision import FORMATS
+
+    tensors = _by_tensor(ranges)
+    steps = sorted({r["step"] for r in ranges})
+    safe = {f: 0 for f in FORMATS}
+    for recs in tensors.values():
+        for f, (ok, _) in _headroom_cells(recs).items():
+            safe[f] += ok
+    parts = ", ".join(f"{f} {n}/{len(tensors)}" for f, n in safe.items())
+    return (f"precision headroom ({len(tensors)} tensors at {len(steps)} sampled step(s)): safe in "
+            f"{parts} (python -m trainsan precision <trace> for the table)")
+
+
+def precision(path: str, what: Optional[str] = None) -> str:
+    """The precision-headroom table of a trace: per tensor, whether its values fit each format."""
+    from .precision import FORMATS
+
+    ranges = load_trace(path)["ranges"]
+    if not ranges:
+        raise TraceError(f"{path} holds no precision-headroom records: they are written with a "
+                         "trace every headroom_every-th step (default 100, from step 0); was "
+                         "headroom_every=0, or did the run end before its first step?")
+    tensors = _by_tensor(ranges)
+    steps = sorted({r["step"] for r in ranges})
+    short = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "e4m3 (scaled)",
+             "float8_e5m2": "e5m2 (scaled)"}
+    width = max(len(t) for _, t in tensors) if tensors else 6
+    lines = [f"precision headroom of {path}: {len(tensors)} tensors, sampled at step(s) "
+             f"{', '.join(map(str, steps[:8]))}{' ...' if len(steps) > 8 else ''}; the worst "
+             "sample per tensor",
+             "  float16/bfloat16 as autocast casts them; FP8 under per-tensor amax scaling. ok: "
+             f"no overflow, <= {HEADROOM_ZERO * 100:g}% rounded to 0, <= {HEADROOM_SUB * 100:g}% "
+             "subnormal",
+             f"  {'what':<7} {'tensor':<{width}} {'dtype':<9} {'amax':>9} "
+             + " ".join(f"{short[f]:>14}" for f in FORMATS)]
+    safe = {f: 0 for f in FORMATS}
+    for (kind, name), recs in sorted(tensors.items(), key=lambda kv: (
+            ("weight", "grad", "output").index(kv[0][0]) if kv[0][0] in ("weight", "grad",
+                                                                         "output") else 3,
+            kv[0][1])):
+        if what and kind != what:
+            continue
+        cells = _headroom_cells(recs)
+        for f, (ok, _) in cells.items():
+            safe[f] += ok
+        amax = max(r["amax"] for r in recs)
+        lines.append(f"  {kind:<7} {name:<{width}} {recs[-1]['dtype']:<9} {amax:>9.3g} "
+                     + " ".join(f"{cells[f][1]:>14}" for f in FORMATS))
+    n = sum(1 for k in tensors if not what or k[0] == what)
+    lines.append("  safe: " + ", ".join(f"{f} {safe[f]}/{n}" for f in FORMATS))
+    return "\n".join(lines)
+
+
+def _plot(steps: list, png: str, scaler: Optional[list] = None) -> None:
     try:
         import matplotlib
 
@@ -186,13 +292,26 @@ def _plot(steps: list, png: str) -> None:
     except ImportError:
         raise TraceError("--png needs matplotlib: pip install matplotlib") from None
     xs = [s["step"] for s in steps]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    scaled = [r for r in (scaler or []) if r.get("scale") is not None]
+    fig, axes = plt.subplots(2 if scaled else 1, 1, figsize=(8, 6 if scaled else 4),
+                             sharex=True, squeeze=False)
+    ax = axes[0][0]
     for key in ("grad_norm", "param_norm", "update_norm"):
         ys = [s["global"].get(key) for s in steps]
         ax.plot(xs, [float("nan") if y is None else y for y in ys], label=key)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.legend()
+    if scaled:
+        sx = axes[1][0]
+        # Skips repeat a step number (the step is not taken): spread them by their order.
+        order = list(range(len(scaled)))
+        sx.step(order, [r["scale"] for r in scaled], where="post", label="scaler scale")
+        skips = [i for i, r in enumerate(scaled) if r.get("skipped")]
+        sx.plot(skips, [scaled[i]["scale"] for i in skips], "rx", label="skipped")
+        sx.set_yscale("log", base=2)
+        sx.set_xlabel("scaler step (in order; skips do not advance the optimizer step)")
+        sx.legend()
     fig.tight_layout()
     fig.savefig(png)
 

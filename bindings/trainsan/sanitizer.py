@@ -8,6 +8,7 @@ optimizer; each calls into C++ once per event. The per-parameter gradient hooks 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -86,7 +87,7 @@ from ._facts import (  # noqa: E402
     _steps_in_flight,
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
-from .precision import Provenance  # noqa: E402
+from .precision import Provenance, range_record, range_rows  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
 from .replicas import active as replicas_active  # noqa: E402
 from ._patches import (  # noqa: E402
@@ -315,6 +316,7 @@ class Sanitizer:
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._handles: list = []
         self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
+        self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
         names, params, opt_index, group_index = [], [], [], []
         where = {}  # id(param) -> (optimizer, group)
@@ -424,6 +426,7 @@ class Sanitizer:
         )
         self._param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
+        self._opt_index = list(opt_index)
         self._live_checked = False  # _check_params_live() at the first step
         _loss_patch.acquire()
         self._loss_patched = True
@@ -541,6 +544,8 @@ class Sanitizer:
                 self._replicas.first_step()
             self._stepping.add(k)
             self._prov.read_all()
+            if self._handle.headroom_due():
+                self._headroom_at[k] = self._handle.step()
             self._apply(self._handle.step_begin(k))
 
     def _grad_leaf_ids(self) -> set:
@@ -599,11 +604,34 @@ class Sanitizer:
             )
         self._py_overhead += time.perf_counter() - t0
         reports = self._handle.step_end(k, lr0, self._take_overhead(), lrs)
+        if k in self._headroom_at:
+            self._write_headroom(k, self._headroom_at.pop(k))
         if self._replicas is not None:
             t0 = time.perf_counter()
             self._replicas.on_step(k, skipped=False)
             self._py_overhead += time.perf_counter() - t0
         self._apply(reports)
+
+    def _write_headroom(self, k: int, step: int) -> None:
+        """Note [Precision headroom]: range counts of optimizer k's weights (after the step)
+        and gradients, as trace records."""
+        t0 = time.perf_counter()
+        try:
+            items = []
+            for (name, p), opt in zip(self._tracked, self._opt_index):
+                if opt != k or not p.is_floating_point():
+                    continue
+                items.append(("weight", name, p))
+                g = p.grad
+                if g is not None and g.is_floating_point() and g.layout == torch.strided:
+                    items.append(("grad", name, g))
+            rows = range_rows([t for _, _, t in items])
+            for (what, name, t), row in zip(items, rows):
+                self._handle.trace_record(json.dumps(range_record(step, what, name, t.dtype, row)))
+        except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
+            warnings.warn(f"trainsan: precision headroom skipped at step {step} "
+                          f"({type(exc).__name__}: {exc})", stacklevel=3)
+        self._py_overhead += time.perf_counter() - t0
 
     def _activation(self, name: str, module, args, output):
         if self._closed or not torch.is_grad_enabled():

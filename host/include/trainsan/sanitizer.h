@@ -155,6 +155,11 @@ class Sanitizer {
   /// What the armed module hooks found in the current step (give the forward's before the loss
   /// is watched, the backward's before the step ends: the non-finite findings quote them).
   void provenance(const Provenance& facts);
+  /// Whether the current step records range counts (precision headroom: a trace is written and
+  /// the step is a headroom_every-th one).
+  bool headroom_due() const;
+  /// Writes one record (a JSON object, e.g. a range record) to the trace, if one is written.
+  void trace_record(const std::string& json_object);
   /// The op audit ignores this thread's ops (and its autograd nodes) while paused: a compiled
   /// call of the model, whose tracing runs autograd nodes inside the forward (AOTAutograd's
   /// joint trace) and whose graph's ops are not audited (Note [Compiled regions]). Nests.
