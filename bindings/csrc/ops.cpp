@@ -208,26 +208,31 @@ TORCH_LIBRARY(trainsan, m) {
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
       .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })
       .def("provenance",
-           // Flattened: per origin 4 strings (module, type, dtype, autocast) and 6 ints
+           // Flattened: per origin 5 strings (module, type, dtype, autocast, prior_where), its
+           // prior_absmax, and 6 ints
            // (backward, inf_only, position, checked, parameters beyond fp16, input), those
            // parameters'
            // names and counts in order; per fp16 range overflow 3 strings (module, type, dtype)
            // and its largest magnitude.
            [](const H& h, int64_t forward_checked, int64_t backward_checked,
-              std::vector<std::string> origin_strs, std::vector<int64_t> origin_ints,
-              std::vector<std::string> beyond_names, std::vector<int64_t> beyond_counts,
-              std::vector<std::string> range_strs, std::vector<double> range_max) {
+              std::vector<std::string> origin_strs, std::vector<double> origin_reals,
+              std::vector<int64_t> origin_ints, std::vector<std::string> beyond_names,
+              std::vector<int64_t> beyond_counts, std::vector<std::string> range_strs,
+              std::vector<double> range_max) {
              trainsan::Provenance p;
              p.forward_checked = forward_checked;
              p.backward_checked = backward_checked;
              size_t b = 0;
-             for (size_t k = 0; 4 * k + 3 < origin_strs.size() && 6 * k + 5 < origin_ints.size();
+             for (size_t k = 0; 5 * k + 4 < origin_strs.size() && 6 * k + 5 < origin_ints.size() &&
+                                k < origin_reals.size();
                   ++k) {
                trainsan::ModuleOrigin o;
-               o.module = origin_strs[4 * k];
-               o.type = origin_strs[4 * k + 1];
-               o.dtype = origin_strs[4 * k + 2];
-               o.autocast = origin_strs[4 * k + 3];
+               o.module = origin_strs[5 * k];
+               o.type = origin_strs[5 * k + 1];
+               o.dtype = origin_strs[5 * k + 2];
+               o.autocast = origin_strs[5 * k + 3];
+               o.prior_where = origin_strs[5 * k + 4];
+               o.prior_absmax = origin_reals[k];
                o.backward = origin_ints[6 * k] != 0;
                o.inf_only = origin_ints[6 * k + 1] != 0;
                o.position = origin_ints[6 * k + 2];

@@ -107,6 +107,7 @@ class Provenance:
         self._headroom = False  # this forward records its outputs' range counts
         self._ranged: set = set()
         self._step = 0
+        self._headroom_step = -1
         self.disabled = False  # a compiled model: hooks would make dynamo recompile
 
     # -- arming ------------------------------------------------------------------------------
@@ -117,8 +118,11 @@ class Provenance:
         san = self._san_ref()
         if san is None or self.disabled:
             return
-        self._headroom = san._handle.headroom_due()
         self._step = san._handle.step()
+        # Once per step number (a skipped step repeats it).
+        self._headroom = san._handle.headroom_due() and self._step != self._headroom_step
+        if self._headroom:
+            self._headroom_step = self._step
         if not (self._headroom or san._handle.provenance_armed()):
             return
         self._forward = _Pass()
@@ -242,7 +246,7 @@ class Provenance:
         if vals is None:
             return
         bad = ~torch.isfinite(vals).all(dim=1)
-        origin_strs, origin_ints, names, counts = [], [], [], []
+        origin_strs, origin_reals, origin_ints, names, counts = [], [], [], [], []
         first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
         range_strs, range_max = [], []
         if first >= 0:
@@ -257,7 +261,16 @@ class Provenance:
                             beyond.append((pn, n))
             mn, mx = vals[first].tolist()
             inf_only = not (mn != mn or mx != mx)  # neither end NaN: ±Inf only
-            origin_strs += [name, typ, dtype, ac]
+            prior, where = 0.0, ""
+            if first > 0:
+                mags = vals[:first].abs().max(dim=1).values
+                j = int(mags.argmax())
+                prior = float(mags[j])
+                n_j, _, _, d_j, _, in_j = p.meta[j]
+                where = (f"the {'input' if in_j else 'output'} of {n_j or 'the model'} "
+                         f"({d_j})")
+            origin_strs += [name, typ, dtype, ac, where]
+            origin_reals.append(prior)
             origin_ints += [int(backward), int(inf_only), first + 1, len(p.meta), len(beyond),
                             int(is_input)]
             names += [b[0] for b in beyond]
@@ -277,7 +290,8 @@ class Provenance:
         san = self._san_ref()
         if san is not None and not san._closed:
             san._apply(san._handle.provenance(
-                fc, bc, origin_strs, origin_ints, names, counts, range_strs, range_max))
+                fc, bc, origin_strs, origin_reals, origin_ints, names, counts, range_strs,
+                range_max))
 
 
 # -- precision headroom ------------------------------------------------------------------------

@@ -263,7 +263,7 @@ def precision(path: str, what: Optional[str] = None) -> str:
              "  float16/bfloat16 as autocast casts them; FP8 under per-tensor amax scaling. ok: "
              f"no overflow, <= {HEADROOM_ZERO * 100:g}% rounded to 0, <= {HEADROOM_SUB * 100:g}% "
              "subnormal",
-             f"  {'what':<7} {'tensor':<{width}} {'dtype':<9} {'amax':>9} "
+             f"  {'what':<7} {'tensor':<{width}} {'dtype':<9} {'amax':>9} {'NaN/Inf':>8} "
              + " ".join(f"{short[f]:>14}" for f in FORMATS)]
     safe = {f: 0 for f in FORMATS}
     for (kind, name), recs in sorted(tensors.items(), key=lambda kv: (
@@ -276,7 +276,9 @@ def precision(path: str, what: Optional[str] = None) -> str:
         for f, (ok, _) in cells.items():
             safe[f] += ok
         amax = max(r["amax"] for r in recs)
+        bad = max(r["nonfinite"] for r in recs)
         lines.append(f"  {kind:<7} {name:<{width}} {recs[-1]['dtype']:<9} {amax:>9.3g} "
+                     f"{bad if bad else '':>8} "
                      + " ".join(f"{cells[f][1]:>14}" for f in FORMATS))
     n = sum(1 for k in tensors if not what or k[0] == what)
     lines.append("  safe: " + ", ".join(f"{f} {safe[f]}/{n}" for f in FORMATS))

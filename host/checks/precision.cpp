@@ -128,6 +128,14 @@ std::string origin_text(const ModuleOrigin& o) {
     os << ": the backward of the op that consumes this output made it (log/sqrt/pow/division "
           "at 0, or a NaN in its saved inputs)";
   }
+  if (!o.inf_only && o.prior_absmax > 0.0 && !o.prior_where.empty()) {
+    os << "; the largest value flagged before it was " << fmt(o.prior_absmax) << " at "
+       << o.prior_where;
+    if (o.autocast == "float16" && o.prior_absmax > 256.0) {
+      os << " (products and sums of values that large overflow float16's ±65504, and an "
+            "Inf then becomes NaN in softmax, Inf - Inf or 0 x Inf)";
+    }
+  }
   return os.str();
 }
 

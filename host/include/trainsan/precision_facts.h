@@ -38,6 +38,10 @@ struct ModuleOrigin {
   /// Its own parameters holding finite values beyond ±65504 (name, count): under fp16 autocast
   /// they become Inf when cast.
   std::vector<std::pair<std::string, int64_t>> beyond_fp16;
+  /// The largest magnitude among the tensors flagged before it in that pass (0: none), and where:
+  /// a clue to an overflow that a later operation turned into NaN (Inf - Inf, softmax of Inf).
+  double prior_absmax = 0.0;
+  std::string prior_where;  ///< e.g. "the output of attn.qkv (float16)"
 };
 
 /// A float32/float64 module output beyond the fp16 range (±65504) in a forward under fp16
