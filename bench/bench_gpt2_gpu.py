@@ -100,6 +100,10 @@ def main() -> int:
         "trainsan default": (dict(policy="record"), 11),
         "trainsan sync=True": (dict(policy="record", sync=True), 11),
         "trainsan audited step": (dict(policy="record", audit_first_steps=0, audit_every=1), 1),
+        # Overflow provenance (issue 12): off, and on every step (the default flags one in 20).
+        "trainsan no provenance": (dict(policy="record", provenance_every=0, provenance_rearm=0),
+                                   11),
+        "provenance every step": (dict(policy="record", provenance_every=1), 11),
     }
     for i in range(3):  # warm-up (allocator, kernels, autotuning)
         step(i)
@@ -130,6 +134,11 @@ def main() -> int:
             print(f"note: {name} reported {sorted(set(kinds))} on this synthetic run")
     ratio = statistics.median(times["trainsan default"]) / base
     print(f"goal: default <= 1.03x plain -> {'met' if ratio <= 1.03 else 'MISSED'} ({ratio:.3f}x)")
+    off = statistics.median(times["trainsan no provenance"])
+    prov = statistics.median(times["trainsan default"]) / off - 1
+    every = statistics.median(times["provenance every step"]) / off - 1
+    print(f"goal: provenance at defaults <= 3% of the step -> {'met' if prov <= 0.03 else 'MISSED'} "
+          f"({prov * 100:.2f}%; every step flagged: {every * 100:.1f}%)")
     return 0
 
 

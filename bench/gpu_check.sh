@@ -12,6 +12,7 @@
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
 #   gpt2-bench bench/bench_gpt2_gpu.py (sanitizer overhead on a GPT-2-small bf16 training step)
 #   desync-gpu bench/bench_desync.py --device cuda (rank_desync's cost, two ranks on one GPU)
+#   prec-gpu   bench/bench_precision.py --device cuda (overflow provenance under fp16 + scaler)
 # The whole run stays within GPU_CHECK_BUDGET_S seconds (default 540, so under 9 minutes): a phase
 # gets at most its own limit and what is left of the budget.
 #
@@ -207,7 +208,7 @@ if ((!BUILT)); then
 else
   # Sanitizer overhead on a GPT-2-small-sized bf16 training step: default (async), sync=True and
   # an audited step, against the plain step (goal: default <= 1.03x).
-  run_phase gpt2-bench 110 "$(gpu_note "GPT-2 small, bf16 autocast, AdamW")" \
+  run_phase gpt2-bench 140 "$(gpu_note "GPT-2 small, bf16 autocast, AdamW")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
     "$PY" "$ROOT/bench/bench_gpt2_gpu.py" --steps 8 --rounds 3
 fi
@@ -220,6 +221,16 @@ else
   run_phase desync-gpu 90 "$(gpu_note "2 ranks on one GPU, DDP over gloo")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
     "$PY" "$ROOT/bench/bench_desync.py" --device cuda --models mlp,transformer --steps 20
+fi
+
+if ((!BUILT)); then
+  skip_phase prec-gpu "build failed"
+else
+  # Overflow provenance's cost under CUDA fp16 autocast with a GradScaler (bench/bench_precision.py;
+  # the GPT-2-small figure is gpt2-bench's "provenance" lines).
+  run_phase prec-gpu 80 "$(gpu_note "fp16 autocast + GradScaler, provenance off/default/every")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/bench_precision.py" --device cuda --models mlp,transformer --steps 60
 fi
 
 # --- summary ------------------------------------------------------------------------------------
@@ -237,7 +248,7 @@ fi
 if [[ -s "$LOG_DIR/gpt2-bench.log" ]]; then
   echo
   echo "gpt2_bench:"
-  grep -E '^(GPT|contender|plain|trainsan|goal)' "$LOG_DIR/gpt2-bench.log"
+  grep -E '^(GPT|contender|plain|trainsan|provenance|goal)' "$LOG_DIR/gpt2-bench.log"
 fi
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
   cp -r "$LOG_DIR" "$OUT/" 2>/dev/null

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -397,6 +398,79 @@ std::string TensorStats::to_string() const {
   opt(absmax);
   os << ", sum=" << sum << ", l2=" << l2 << ", hash=0x" << std::hex << hash << ")";
   return os.str();
+}
+
+namespace {
+
+// One pass over a contiguous CPU tensor: per chunk its own counts, summed at the end.
+template <typename scalar_t, typename cmp_t>
+void range_histogram_cpu(const at::Tensor& t, const std::vector<cmp_t>& b, int64_t* out) {
+  const scalar_t* x = t.const_data_ptr<scalar_t>();
+  const int64_t n = t.numel();
+  const size_t k = b.size();
+  const size_t width = k + 3;
+  const int64_t grain = 1 << 16;
+  const int64_t chunks = std::max<int64_t>(1, (n + grain - 1) / grain);
+  std::vector<int64_t> parts(static_cast<size_t>(chunks) * width, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cnt = parts.data() + static_cast<size_t>(c) * width;
+      const int64_t e1 = std::min(n, (c + 1) * grain);
+      for (int64_t e = c * grain; e < e1; ++e) {
+        const cmp_t a = std::abs(static_cast<cmp_t>(x[e]));
+        if (!std::isfinite(a)) {
+          cnt[0] += 1;
+          continue;
+        }
+        if (a == cmp_t(0)) {
+          cnt[1] += 1;
+          continue;
+        }
+        size_t bin = 0;  // the bounds below a: a in (b_{bin-1}, b_bin]
+        for (size_t j = 0; j < k; ++j) bin += b[j] < a ? 1 : 0;
+        cnt[2 + bin] += 1;
+      }
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (size_t j = 0; j < width; ++j) out[j] += parts[static_cast<size_t>(c) * width + j];
+  }
+}
+
+}  // namespace
+
+at::Tensor range_histogram(const at::Tensor& t, const std::vector<double>& bounds) {
+  TORCH_CHECK_TYPE(t.defined() && at::isFloatingType(t.scalar_type()) && t.layout() == at::kStrided,
+                   "range_histogram: expected a dense floating-point tensor, got ",
+                   t.defined() ? t.toString() : std::string("an undefined tensor"));
+  TORCH_CHECK_VALUE(std::is_sorted(bounds.begin(), bounds.end()) && !bounds.empty(),
+                    "range_histogram: bounds must be a non-empty ascending list");
+  const auto k = static_cast<int64_t>(bounds.size());
+  if (t.device().is_cpu()) {
+    at::Tensor out = at::zeros({k + 3}, at::kLong);
+    const at::Tensor c = t.detach().contiguous();
+    int64_t* o = out.data_ptr<int64_t>();
+    if (c.scalar_type() == at::kDouble) {
+      range_histogram_cpu<double, double>(c, bounds, o);
+    } else {
+      const std::vector<float> bf(bounds.begin(), bounds.end());
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.scalar_type(), "range_histogram",
+                                      [&] { range_histogram_cpu<scalar_t, float>(c, bf, o); });
+    }
+    return out;
+  }
+  const auto cmp = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor a = t.detach().abs().to(cmp).reshape(-1);
+  const at::Tensor finite = at::isfinite(a);
+  const at::Tensor masked = at::where(finite, a, at::zeros({}, a.options()));
+  const at::Tensor b = at::tensor(bounds, at::TensorOptions().dtype(at::kDouble)).to(a.options());
+  // bucketize: bucket i holds b_{i-1} < a <= b_i; bucket 0 also the zeros and the masked.
+  at::Tensor buckets = at::bincount(at::bucketize(masked, b), {}, k + 1);
+  const at::Tensor nonfinite = at::logical_not(finite).sum().reshape({1});
+  const at::Tensor zero = at::logical_and(finite, a == 0).sum().reshape({1});
+  buckets = buckets.to(at::kLong);
+  buckets.index_put_({0}, buckets[0] - zero[0] - nonfinite[0]);
+  return at::cat({nonfinite, zero, buckets});
 }
 
 }  // namespace trainsan

@@ -159,6 +159,10 @@ struct SanitizerHandle : torch::CustomClassHolder {
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
+  m.def("range_histogram(Tensor t, float[] bounds) -> Tensor",
+        [](const at::Tensor& t, std::vector<double> bounds) {
+          return trainsan::range_histogram(t, bounds);
+        });
   m.def("stats_fields", &stats_fields_op);
   m.def("kinds", &kinds_op);
   m.def("options", &options_op);

@@ -16,6 +16,7 @@ change an output or a gradient, and are removed when the pass's flags are read.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import warnings
 import weakref
@@ -24,6 +25,9 @@ from typing import Any, Optional
 import torch
 
 from ._facts import _local
+from .stats import FLOAT_FIELDS
+
+_ABSMAX_COL = FLOAT_FIELDS.index("absmax")
 
 FP16_MAX = 65504.0
 _MAX_OUTPUTS = 8  # floating tensors flagged per module output (a tuple of many is a container)
@@ -64,7 +68,7 @@ class _Pass:
         self.meta: list = []  # (module name, module, type, dtype, autocast, is an input)
         self.values: list = []  # (min, max): 0-d tensors on the tensor's device, in its dtype
         self.seen: dict = {}  # id -> tensor flagged (kept alive: ids are not reused meanwhile)
-        self.ranges: list = []  # headroom steps: (module name, dtype, range_counts(output))
+        self.ranges: list = []  # headroom steps: (module name, dtype, output)
 
     def add(self, name: str, module, t: torch.Tensor, autocast: str, is_input=False) -> None:
         self.seen[id(t)] = t
@@ -161,7 +165,7 @@ class Provenance:
                 fwd.add(name, module, t, ac)
                 if self._headroom and id(t) not in self._ranged:
                     self._ranged.add(id(t))
-                    fwd.ranges.append((name, t.dtype, range_counts(t)))
+                    fwd.ranges.append((name, t.dtype, t.detach()))
                 if t.requires_grad:
                     t.register_hook(
                         lambda g, _n=name, _m=module, _ac=ac: self._grad_hook(bwd, _n, _m, g, _ac)
@@ -200,8 +204,7 @@ class Provenance:
         if san is None or san._closed:
             return
         try:
-            counts = [c for _, _, c in ranges]
-            rows = _read_rows(counts)
+            rows = range_rows([t for _, _, t in ranges])
             for (name, dtype, _), row in zip(ranges, rows):
                 san._handle.trace_record(json.dumps(
                     range_record(self._step, "output", name or "(model)", dtype, row)))
@@ -300,25 +303,49 @@ class Provenance:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Which tensors would survive a move to a narrower format, before the user tries? Per tensor, on
 # the steps headroom_every samples (with a trace): of its finite nonzero values, how many would
-# overflow (round to ±Inf or, in FP8 E4M3, NaN), round to zero, or land in the subnormal range
-# (precision lost) when cast to each format. float16 and bfloat16 are judged as autocast casts
-# them (unscaled); the FP8 formats under per-tensor amax scaling as Transformer Engine applies it:
-# y = |x| * (fmax / amax) in float32, then cast. The thresholds are the formats' own rounding
-# boundaries under round-to-nearest-even: a value rounds to zero at or below half the smallest
-# subnormal (the tie goes to the even zero), rounds to a subnormal below the midpoint between the
-# largest subnormal and the smallest normal, and overflows at or above the midpoint between the
-# largest finite value and the next step of the exponent. One bucketize per format over |x| (or
-# the scaled |x|) counts every class at once, on the tensor's device; the counts of a step come
-# back in one read. Tested against real casts (tests/python/test_precision_headroom.py).
-
-
-def _below(v: float, dtype: torch.dtype) -> float:
-    """The largest value of `dtype` below v (a "<" boundary for bucketize, which counts "<=")."""
-    return float(torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+# round to zero, round to a subnormal (precision lost) or overflow (to ±Inf, or NaN in FP8 E4M3)
+# when cast to each format. float16 and bfloat16 are judged as autocast casts them (unscaled); the
+# FP8 formats under per-tensor amax scaling as Transformer Engine applies it: y = |x| * s in
+# float32 with s = fmax / amax (float32), then cast. The boundaries are the formats' own rounding
+# points under round-to-nearest-even: a value rounds to zero at or below half the smallest
+# subnormal (the tie goes to the even zero), to a subnormal below the midpoint between the largest
+# subnormal and the smallest normal, and overflows at or above the midpoint between the largest
+# finite value and the next step of the exponent. Every boundary becomes a threshold on |x| itself
+# (for the scaled formats: the largest float32 a with fl(a * s) <= the boundary, which is exact
+# because fl(a * s) is monotonic in a), so one pass per tensor counts every class of every format
+# (torch.ops.trainsan.range_histogram: a parallel loop on the CPU, bucketize on a GPU), after one
+# fused statistics pass for every tensor's amax. float64 tensors are compared in float64: their FP8
+# classes can differ from a cast of fl32(x) for values within half a float32 ulp of a boundary.
+# Tested against torch's own casts (tests/python/test_precision_headroom.py).
 
 
 def _f32(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _fl32(v: float) -> float:
+    """v rounded to float32 (round to nearest even); ±inf beyond its range."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _down32(v: float) -> float:
+    """The next float32 below a positive float32 v."""
+    return _f32(_bits(v) - 1) if v > 0 else 0.0
+
+
+def _up32(v: float) -> float:
+    return _f32(_bits(v) + 1)
+
+
+def _down(v: float, dtype: torch.dtype) -> float:
+    return _down32(v) if dtype != torch.float64 else math.nextafter(v, 0.0)
 
 
 # name -> (largest finite, overflow midpoint, smallest normal, round-to-zero bound, scaled)
@@ -329,66 +356,67 @@ FORMATS = {
     "float8_e5m2": (57344.0, 59392.0, 2.0 ** -14, 2.0 ** -17, True),
 }
 CLASSES = ("zero", "subnormal", "overflow")  # per format, in the trace's lists
-_BOUNDS: dict = {}
 
 
-def _bounds(device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
-    key = (device, dtype, name)
-    b = _BOUNDS.get(key)
-    if b is None:
-        _, ovf, normal, zero, _ = FORMATS[name]
-        # bucket 0: <= 0; 1: (0, zero] rounds to 0; 2: rounds to a subnormal, i.e. below the
-        # midpoint normal - zero between the largest subnormal and the smallest normal (the tie
-        # goes to the even normal); 3: normal; 4: >= the overflow midpoint.
-        b = torch.tensor([0.0, zero, _below(normal - zero, dtype), _below(ovf, dtype)],
-                         dtype=dtype, device=device)
-        _BOUNDS[key] = b
-    return b
+def _scaled_bound(bound: float, s: float) -> float:
+    """The largest float32 a >= 0 with fl32(a * s) <= bound (s a positive float32)."""
+    c = _fl32(bound / s)
+    if math.isinf(c):
+        c = _f32(0x7F7FFFFF)
+    while c > 0 and _fl32(c * s) > bound:
+        c = _down32(c)
+    while c < _f32(0x7F7FFFFF) and _fl32(_up32(c) * s) <= bound:
+        c = _up32(c)
+    return c
 
 
-def range_counts(t: torch.Tensor) -> tuple:
-    """(int64 [3 + 3 * len(FORMATS)], amax) on t's device: numel, non-finite, finite nonzero,
-    then per format (FORMATS order) the finite nonzero values that round to zero, land in the
-    subnormal range, overflow (CLASSES); amax is the largest finite magnitude (float64, 0-d)."""
-    x = _local(t).detach()
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    a = x.abs().to(dt).reshape(-1)
-    fin = torch.isfinite(a)
-    a = torch.where(fin, a, torch.zeros((), dtype=dt, device=a.device))
-    amax = a.amax() if a.numel() else torch.zeros((), dtype=dt, device=a.device)
-    nonzero = (a > 0).sum().view(1)
-    parts = [torch.tensor([a.numel()], device=a.device), (~fin).sum().view(1), nonzero]
-    idx = torch.tensor([2, 4], device=a.device)
-    for name, (fmax, _, _, _, scaled) in FORMATS.items():
-        if scaled:  # per-tensor amax scaling, computed in float32 as the FP8 recipes do
-            scale = torch.where(amax > 0, fmax / amax.float(), torch.ones((), device=a.device))
-            y = a.float() * scale
-            b = _bounds(a.device, torch.float32, name)
-        else:
-            y, b = a, _bounds(a.device, dt, name)
-        buckets = torch.bincount(torch.bucketize(y, b), minlength=5)
-        # To zero: every nonzero value in buckets 0-1 (a scaled value can underflow float32
-        # itself and land on 0).
-        to_zero = (buckets[0] + buckets[1]).view(1) - (a.numel() - nonzero)
-        parts += [to_zero, buckets[idx]]
-    return torch.cat(parts), amax.double()
+def _thresholds(dtype: torch.dtype, amax: float) -> list:
+    """Per format (zero, subnormal-or-zero, not-overflow) upper bounds on |x|."""
+    out = []
+    s_amax = _fl32(amax) if amax > 0 and math.isfinite(amax) else 0.0
+    for fmax, ovf, normal, zero, scaled in FORMATS.values():
+        bounds = (zero, _down32(normal - zero), _down32(ovf))
+        if not scaled:
+            if dtype == torch.float64:
+                bounds = (zero, math.nextafter(normal - zero, 0.0), math.nextafter(ovf, 0.0))
+            out.append(bounds)
+            continue
+        s = _fl32(fmax / s_amax) if s_amax > 0 else 1.0
+        if math.isinf(s) or s == 0.0:
+            s = _f32(0x7F7FFFFF) if math.isinf(s) else 1.0
+        out.append(tuple(_scaled_bound(b, s) for b in bounds))
+    return out
 
 
 def range_rows(tensors: list) -> list:
-    """[(counts as ints, amax)] of each tensor (range_counts), one read per device."""
-    return _read_rows([range_counts(t) for t in tensors])
-
-
-def _read_rows(got: list) -> list:
-    out: list = [None] * len(got)
+    """[(counts, amax)] per tensor: counts = [numel, non-finite, finite nonzero, then per format
+    (FORMATS order) to zero, subnormal, overflow]; amax its largest finite magnitude."""
+    if not tensors:
+        return []
+    local = [_local(t).detach() for t in tensors]
+    out: list = [None] * len(local)
     groups: dict = {}
-    for k, (c, _) in enumerate(got):
-        groups.setdefault(c.device, []).append(k)
+    for k, t in enumerate(local):
+        groups.setdefault(t.device, []).append(k)
     for ks in groups.values():
-        ints = torch.stack([got[k][0] for k in ks]).cpu().tolist()
-        amax = torch.stack([got[k][1] for k in ks]).cpu().tolist()
-        for j, k in enumerate(ks):
-            out[k] = (ints[j], amax[j])
+        _, floats = torch.ops.trainsan.tensor_stats([local[k] for k in ks])
+        amaxes = floats[:, _ABSMAX_COL].cpu().tolist()
+        for k, amax in zip(ks, amaxes):
+            amax = 0.0 if amax != amax else amax  # no finite element
+            t = local[k]
+            ths = _thresholds(t.dtype, amax)
+            flat = sorted({b for th in ths for b in th})
+            h = torch.ops.trainsan.range_histogram(t, flat).cpu().tolist()
+            nonfinite, bins = h[0], h[2:]
+            nonzero = sum(bins)
+            cum, acc = {}, 0
+            for b, n in zip(flat, bins):
+                acc += n
+                cum[b] = acc
+            ints = [t.numel(), nonfinite, nonzero]
+            for z, sub, ok in ths:
+                ints += [cum[z], cum[sub] - cum[z], nonzero - cum[ok]]
+            out[k] = (ints, amax)
     return out
 
 

@@ -250,7 +250,7 @@ def precision(path: str, what: Optional[str] = None) -> str:
     ranges = load_trace(path)["ranges"]
     if not ranges:
         raise TraceError(f"{path} holds no precision-headroom records: they are written with a "
-                         "trace every headroom_every-th step (default 100, from step 0); was "
+                         "trace every headroom_every-th step (default 200, from step 0); was "
                          "headroom_every=0, or did the run end before its first step?")
     tensors = _by_tensor(ranges)
     steps = sorted({r["step"] for r in ranges})

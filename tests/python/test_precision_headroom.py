@@ -162,3 +162,21 @@ def test_precision_cli_and_report(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "trainsan", "precision", str(empty)],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "holds no precision-headroom records" in bad.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_counts_equal_the_cpu_loop():
+    g = torch.Generator().manual_seed(11)
+    e = torch.randint(-149, 128, (20000,), generator=g).float()
+    x = torch.ldexp(1.0 + torch.rand(20000, generator=g), e)
+    x = torch.cat([x, boundary_values(), torch.tensor([float("nan"), float("inf"), 0.0])])
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        t = x.to(dt)
+        assert range_rows([t.cuda()]) == range_rows([t])
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(TypeError, match="dense floating-point tensor"):
+        torch.ops.trainsan.range_histogram(torch.arange(3), [1.0])
+    with pytest.raises(ValueError, match="ascending"):
+        torch.ops.trainsan.range_histogram(torch.ones(3), [2.0, 1.0])

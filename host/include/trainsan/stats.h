@@ -45,6 +45,15 @@ PackedStats pack_stats(const std::vector<TensorStats>& stats);
 /// Uninitialised results of the right shapes on the tensors' device (the meta/fake kernel).
 PackedStats tensor_stats_packed_shapes(const std::vector<at::Tensor>& tensors);
 
+/// Counts of the magnitudes |x| of a floating tensor `t` (float16/32/64, bfloat16), exact: int64
+/// [3 + K] on t's device, K = bounds.size(): non-finite elements, zeros, then the finite nonzero
+/// ones in the bins (0, b_0], (b_0, b_1], ..., (b_{K-2}, b_{K-1}] and the rest above b_{K-1}
+/// (K+1 bins: the last is "> b_{K-1}"). `bounds` must ascend; they are compared in float32 for
+/// float32/16 and bfloat16 tensors (pass float32 values) and in float64 for float64 ones. The
+/// precision-headroom counts (bindings/trainsan/precision.py). CPU: one parallel pass; other
+/// devices: torch ops (bucketize, bincount).
+at::Tensor range_histogram(const at::Tensor& t, const std::vector<double>& bounds);
+
 /// True when this build of TrainSan includes the CUDA kernels.
 bool cuda_compiled();
 
