@@ -31,7 +31,7 @@ _ABSMAX_COL = FLOAT_FIELDS.index("absmax")
 
 FP16_MAX = 65504.0
 _MAX_OUTPUTS = 8  # floating tensors flagged per module output (a tuple of many is a container)
-_MAX_RANGE = 3  # float32 outputs beyond the fp16 range named per step
+_MAX_RANGE = 1  # float32 outputs beyond the fp16 range named per step: the first (the cause)
 
 
 def _float_tensors(out: Any, acc: list) -> list:

@@ -136,6 +136,26 @@ def test_weights_beyond_fp16_are_the_named_cause_before_the_loss():
     assert "mid.weight (3)" in loss.message
 
 
+class Float32Big(nn.Module):
+    """A block kept in float32 under autocast whose output leaves the fp16 range."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return x.float() * 1e5
+
+
+def test_float32_activation_beyond_fp16_is_the_named_cause():
+    model = Net()
+    model.boost = Float32Big()
+    san = train(model, amp=torch.float16, scaler=True, steps=2)
+    kinds = [f.kind for f in san.findings]
+    assert kinds.index("fp16_overflow") < kinds.index("nonfinite_loss")
+    (cause,) = of(san, "fp16_overflow")
+    assert cause.tensor == "boost"
+    assert "the output of boost (Float32Big, float32) reaches" in cause.message
+    assert "the next op that autocast runs in float16 turns it into Inf" in cause.message
+
+
 def test_nan_born_in_a_middle_layer_names_that_layer_not_the_loss():
     san = train(Net(act=Log()))
     (f,) = of(san, "nonfinite_loss")
