@@ -78,6 +78,8 @@ def export(path: str, logdir: str) -> dict:
             elif t == "amp_skip":
                 counts["amp_skips"] += 1
                 scalar("amp/skipped", 1, int(rec["step"]))
+            elif t == "scaler":
+                scalar(f"amp/scale/{rec.get('optimizer', 0)}", rec.get("scale"), int(rec["step"]))
             elif t == "finding":
                 counts["findings"] += 1
                 text = f"**[{rec.get('severity')}] {rec.get('kind')}** {rec.get('message', '')}"
