@@ -519,6 +519,16 @@ bool Sanitizer::inplace_check_step() const {
          impl_->checks.autograd.inplace_sampled(impl_->step);
 }
 
+std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts) {
+  return host::judge_checkpoint(facts);
+}
+
+void Sanitizer::checkpoint(const CheckpointFacts& facts) {
+  if (impl_->closed) return;
+  impl_->checks.checkpoint.on_checkpoint(facts, impl_->step);
+  report();
+}
+
 bool Sanitizer::headroom_due() const {
   const int64_t every = impl_->opts.headroom_every;
   return !impl_->closed && impl_->trace.is_open() && every > 0 && impl_->step % every == 0;

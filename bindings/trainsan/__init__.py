@@ -20,6 +20,7 @@ from .sanitizer import (
     attached,
 )
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
+from .checkpoint import CheckpointReport, check_checkpoint  # noqa: E402
 
 
 def _version() -> str:
@@ -56,6 +57,8 @@ cmake_prefix_path: str = os.path.join(os.path.dirname(os.path.abspath(__file__))
                                       "cmake")
 
 __all__ = [
+    "CheckpointReport",
+    "check_checkpoint",
     "KINDS",
     "OPTIONS",
     "Finding",

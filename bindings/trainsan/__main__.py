@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainsan {demo,run,info,report,precision,diff,tensorboard}``."""
+"""Command line: ``python -m trainsan {demo,run,info,report,precision,check,diff,tensorboard}``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import launcher
 
         return launcher.main(argv[1:])
+    if argv and argv[0] == "check":
+        from . import checkpoint
+
+        return checkpoint.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions and build configuration")
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     tb = sub.add_parser("tensorboard", help="write a trace (or one per rank) as TensorBoard events")
     tb.add_argument("traces", nargs="+", metavar="trace")
     tb.add_argument("--logdir", required=True, help="TensorBoard log directory to write")
+    sub.add_parser("check", help="check a checkpoint file (check CKPT [--model module:factory]; "
+                   "check --help)")
     sub.add_parser("demo", help="train a small model with TrainSan on (--bug NAME, --list-bugs)")
     sub.add_parser("run", help="run an unmodified training script with TrainSan attached "
                    "(run [options] script.py [args] | -m module [args]; run --help)")

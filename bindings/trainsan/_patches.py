@@ -228,3 +228,32 @@ def _loss_roots() -> list:
 
 
 _loss_patch = Patch(_loss_roots)
+
+
+# bad_checkpoint (Note [Checkpoint checks], host/checks/checkpoint.cpp): torch.save is wrapped
+# while any sanitizer is open (refcounted); a save whose object holds the tensors of an attached
+# model (its state_dict(), the model itself, a dict of those) is checked by that model's
+# sanitizer before the file is written, so under policy "raise" a bad checkpoint never reaches
+# the disk. Anything else is saved untouched, and a failure of the check itself never fails the
+# save.
+def _save() -> list:
+    orig = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        for san in [s for s in list(_open_sanitizers) if not s._closed]:
+            try:
+                san._check_save(obj, f)
+            except TrainingBugError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - never fail the user's save over this
+                import warnings
+
+                warnings.warn(f"trainsan: the checkpoint check of this save failed "
+                              f"({type(exc).__name__}: {exc}); saved unchecked", stacklevel=2)
+        return orig(obj, f, *args, **kwargs)
+
+    save.__wrapped__ = orig  # type: ignore[attr-defined]
+    return [(torch, "save", save)]
+
+
+_save_patch = Patch(_save)

@@ -97,6 +97,7 @@ from ._patches import (  # noqa: E402
     _loader_patch,
     _loss_patch,
     _open_sanitizers,
+    _save_patch,
     _scaler_patch,
     _step_counts,
     _watchers,
@@ -430,6 +431,8 @@ class Sanitizer:
         self._live_checked = False  # _check_params_live() at the first step
         _loss_patch.acquire()
         self._loss_patched = True
+        _save_patch.acquire()
+        self._save_patched = True
         _open_sanitizers.add(self)
         _compile.compile_patch.acquire()
         self._compile_patched = True
@@ -611,6 +614,20 @@ class Sanitizer:
             self._replicas.on_step(k, skipped=False)
             self._py_overhead += time.perf_counter() - t0
         self._apply(reports)
+
+    def _check_save(self, obj, f) -> None:
+        """torch.save(obj, f) while attached (Note [Checkpoint checks]): judged before writing
+        when obj holds this model's tensors."""
+        if self._closed or not _holds_model(obj, self._model):
+            return
+        t0 = time.perf_counter()
+        from .checkpoint import gather
+
+        where = os.fspath(f) if isinstance(f, (str, os.PathLike)) else type(f).__name__
+        facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
+                       part_ok=True)
+        self._py_overhead += time.perf_counter() - t0
+        self._apply(self._handle.checkpoint(*facts.args()))
 
     def _write_headroom(self, k: int, step: int) -> None:
         """Note [Precision headroom]: range counts of optimizer k's weights (after the step)
@@ -795,6 +812,9 @@ class Sanitizer:
         if getattr(self, "_loss_patched", False):
             self._loss_patched = False
             _loss_patch.release()
+        if getattr(self, "_save_patched", False):
+            self._save_patched = False
+            _save_patch.release()
         ref = _attached.get(self._model)
         if ref is not None and ref() in (self, None):
             del _attached[self._model]
@@ -843,6 +863,37 @@ class Sanitizer:
                 self.close()
         except Exception:
             pass
+
+
+def _holds_model(obj, model: torch.nn.Module) -> bool:
+    """Whether a saved object holds the model, or tensors sharing its parameters' storage (its
+    state_dict(), or one of its wrapper's)."""
+    ptrs = set()
+    for p in model.parameters():
+        try:
+            ptrs.add(p.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001 - a parameter without storage (meta, some subclasses)
+            pass
+    ptrs.discard(0)
+    mods = {id(m) for m in model.modules()}
+
+    def walk(o, depth: int) -> bool:
+        if depth > 4:
+            return False
+        if isinstance(o, torch.nn.Module):
+            return id(o) in mods or any(id(m) in mods for m in o.modules())
+        if isinstance(o, torch.Tensor):
+            try:
+                return o.untyped_storage().data_ptr() in ptrs
+            except Exception:  # noqa: BLE001
+                return False
+        if isinstance(o, dict):
+            return any(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return any(walk(v, depth + 1) for v in o)
+        return False
+
+    return walk(obj, 0)
 
 
 def _fsdp_params(model: torch.nn.Module) -> list:

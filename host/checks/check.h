@@ -14,6 +14,8 @@
 
 #include "finding_sink.h"
 #include "trainsan/autograd_facts.h"
+#include "trainsan/checkpoint_facts.h"
+#include "trainsan/finding.h"
 #include "trainsan/options.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
@@ -391,6 +393,20 @@ class PrecisionCheck {  // precision.cpp: amp_scale_collapse, update_underflow,
   std::vector<int64_t> underflow_steps_;
 };
 
+class CheckpointCheck {  // checkpoint.cpp: bad_checkpoint (Note [Checkpoint checks])
+ public:
+  CheckpointCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  void on_checkpoint(const CheckpointFacts& facts, int64_t step);
+
+ private:
+  FindingSink& sink_;
+  [[maybe_unused]] const Options& opts_;  // no option yet
+};
+
+/// The findings of one checkpoint outside a sanitizer (python -m trainsan check): messages with
+/// the "bad_checkpoint: " prefix, step 0.
+std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts);
+
 /// Every family, in the order the sanitizer runs them on a step (the order findings appear in:
 /// the hook observations, the numbers of the pass, the step-level rules, the mode).
 struct Checks {
@@ -405,7 +421,8 @@ struct Checks {
         loss(sink, opts),
         autograd(sink, opts),
         replicas(sink, opts),
-        precision(sink, opts, origins) {}
+        precision(sink, opts, origins),
+        checkpoint(sink, opts) {}
   Origins origins;
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
@@ -417,6 +434,7 @@ struct Checks {
   AutogradCheck autograd;
   ReplicaCheck replicas;
   PrecisionCheck precision;
+  CheckpointCheck checkpoint;
 };
 
 }  // namespace trainsan::host

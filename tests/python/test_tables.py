@@ -32,13 +32,14 @@ IMPLEMENTED = {
     "amp_scale_collapse": "error",
     "update_underflow": "warning",
     "low_precision_loss": "warning",
+    "bad_checkpoint": "error",
     "inplace_before_backward": "error",
     "bad_custom_grad": "error",
     "loss_spike": "warning",
     "trivial_loss": "warning",
     "rank_desync": "error",
 }
-UNIMPLEMENTED = ["nondeterminism", "bad_checkpoint"]
+UNIMPLEMENTED = ["nondeterminism", "optimizer_reset"]
 
 
 def _setup():

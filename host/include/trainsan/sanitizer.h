@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "trainsan/autograd_facts.h"
+#include "trainsan/checkpoint_facts.h"
 #include "trainsan/coverage.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
@@ -155,6 +156,9 @@ class Sanitizer {
   /// What the armed module hooks found in the current step (give the forward's before the loss
   /// is watched, the backward's before the step ends: the non-finite findings quote them).
   void provenance(const Provenance& facts);
+  /// A checkpoint of this model is being saved (bad_checkpoint; Note [Checkpoint checks] in
+  /// host/checks/checkpoint.cpp): the policy answers before it is written.
+  void checkpoint(const CheckpointFacts& facts);
   /// Whether the current step records range counts (precision headroom: a trace is written and
   /// the step is a headroom_every-th one).
   bool headroom_due() const;
@@ -219,5 +223,9 @@ class Sanitizer {
   void report();
   std::unique_ptr<host::SanitizerImpl> impl_;
 };
+
+/// The bad_checkpoint findings of one checkpoint judged outside a sanitizer (`python -m trainsan
+/// check`): messages prefixed "bad_checkpoint: ", step 0.
+std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts);
 
 }  // namespace trainsan
