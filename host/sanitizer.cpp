@@ -529,6 +529,12 @@ void Sanitizer::checkpoint(const CheckpointFacts& facts) {
   report();
 }
 
+void Sanitizer::resume(const ResumeFacts& facts) {
+  if (impl_->closed) return;
+  impl_->checks.resume.on_resume(facts, impl_->step);
+  report();
+}
+
 bool Sanitizer::headroom_due() const {
   const int64_t every = impl_->opts.headroom_every;
   return !impl_->closed && impl_->trace.is_open() && every > 0 && impl_->step % every == 0;

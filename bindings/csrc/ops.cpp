@@ -266,6 +266,39 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
+      .def("resume",
+           // Flattened ResumeFacts: strs = optimizer_type, prefix, progress; ints = moment, opt,
+           // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags checkpoint_known,
+           // checkpoint_has_optimizer_state, optimizer_restored, stateful, scheduler_restored.
+           [](const H& h, std::vector<std::string> strs, std::vector<int64_t> ints,
+              std::vector<double> reals, std::vector<std::string> dropped_frozen,
+              std::vector<std::string> dropped_unoptimized,
+              std::vector<std::string> state_mismatched) {
+             TORCH_CHECK_VALUE(strs.size() == 3 && ints.size() == 10 && reals.size() == 2,
+                               "resume: expected 3 strings, 10 ints and 2 reals");
+             TORCH_CHECK_VALUE(ints[0] >= 0 && ints[0] <= 2, "resume: bad moment ", ints[0]);
+             trainsan::ResumeFacts f;
+             f.moment = static_cast<trainsan::ResumeFacts::Moment>(ints[0]);
+             f.opt = ints[1];
+             f.optimizer_type = strs[0];
+             f.prefix = strs[1];
+             f.progress = strs[2];
+             f.prefix_keys = ints[2];
+             f.optimizer_with_state = ints[3];
+             f.scheduler_epoch = ints[4];
+             f.checkpoint_known = ints[5] != 0;
+             f.checkpoint_has_optimizer_state = ints[6] != 0;
+             f.optimizer_restored = ints[7] != 0;
+             f.stateful = ints[8] != 0;
+             f.scheduler_restored = ints[9] != 0;
+             f.lr = reals[0];
+             f.checkpoint_lr = reals[1];
+             f.dropped_frozen = std::move(dropped_frozen);
+             f.dropped_unoptimized = std::move(dropped_unoptimized);
+             f.state_mismatched = std::move(state_mismatched);
+             h->san->resume(f);
+             return h->take();
+           })
       .def("checkpoint",
            [](const H& h, std::string source, std::string load_error,
               std::vector<std::string> nonfinite_keys, std::vector<int64_t> nonfinite_counts,

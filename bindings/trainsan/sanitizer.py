@@ -89,6 +89,7 @@ from ._facts import (  # noqa: E402
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
 from .precision import Provenance, range_record, range_rows  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
+from .resume import ResumeWatch, resume_patch  # noqa: E402
 from .replicas import active as replicas_active  # noqa: E402
 from ._patches import (  # noqa: E402
     Patch,
@@ -433,6 +434,9 @@ class Sanitizer:
         self._loss_patched = True
         _save_patch.acquire()
         self._save_patched = True
+        resume_patch.acquire()
+        self._resume_patched = True
+        self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
         _open_sanitizers.add(self)
         _compile.compile_patch.acquire()
         self._compile_patched = True
@@ -546,6 +550,7 @@ class Sanitizer:
             if self._replicas is not None:
                 self._replicas.first_step()
             self._stepping.add(k)
+            self._resume.first_step(k)
             self._prov.read_all()
             if self._handle.headroom_due():
                 self._headroom_at[k] = self._handle.step()
@@ -815,6 +820,9 @@ class Sanitizer:
         if getattr(self, "_save_patched", False):
             self._save_patched = False
             _save_patch.release()
+        if getattr(self, "_resume_patched", False):
+            self._resume_patched = False
+            resume_patch.release()
         ref = _attached.get(self._model)
         if ref is not None and ref() in (self, None):
             del _attached[self._model]

@@ -19,6 +19,7 @@
 #include "trainsan/options.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
+#include "trainsan/resume_facts.h"
 #include "trainsan/tensor_stats.h"
 
 namespace trainsan::host {
@@ -403,6 +404,16 @@ class CheckpointCheck {  // checkpoint.cpp: bad_checkpoint (Note [Checkpoint che
   [[maybe_unused]] const Options& opts_;  // no option yet
 };
 
+class ResumeCheck {  // resume.cpp: optimizer_reset, bad_checkpoint of a lossy load
+ public:
+  ResumeCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  void on_resume(const ResumeFacts& facts, int64_t step);
+
+ private:
+  FindingSink& sink_;
+  [[maybe_unused]] const Options& opts_;  // no option yet
+};
+
 /// The findings of one checkpoint outside a sanitizer (python -m trainsan check): messages with
 /// the "bad_checkpoint: " prefix, step 0.
 std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts);
@@ -422,7 +433,8 @@ struct Checks {
         autograd(sink, opts),
         replicas(sink, opts),
         precision(sink, opts, origins),
-        checkpoint(sink, opts) {}
+        checkpoint(sink, opts),
+        resume(sink, opts) {}
   Origins origins;
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
@@ -435,6 +447,7 @@ struct Checks {
   ReplicaCheck replicas;
   PrecisionCheck precision;
   CheckpointCheck checkpoint;
+  ResumeCheck resume;
 };
 
 }  // namespace trainsan::host

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "checks/check.h"
+#include "fake_sink.h"
 
 namespace trainsan::host {
 namespace {
@@ -87,6 +88,61 @@ TEST(CheckpointCheck, UnloadableOrForeignCheckpoints) {
   out = judge_checkpoint(g);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_TRUE(has(out[0].message, "'module.' prefix")) << out[0].message;
+}
+
+TEST(ResumeCheck, FirstStepRules) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "AdamW";
+  f.checkpoint_known = true;
+  f.stateful = true;
+  f.progress = "epoch=5";
+  c.on_resume(f, 0);  // fine-tuning from weights: no optimizer state in the checkpoint
+  EXPECT_TRUE(sink.calls.empty());
+  f.checkpoint_has_optimizer_state = true;
+  f.optimizer_with_state = 4;  // restored (before the model, or before attach)
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty());
+  f.optimizer_with_state = 0;
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::optimizer_reset);
+  EXPECT_TRUE(has(sink.calls[0].message, "was not restored")) << sink.calls[0].message;
+  f.optimizer_restored = true;  // restored, but with an empty state
+  c.on_resume(f, 1);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[1].message, "restored with an empty state"));
+  f.stateful = false;  // plain SGD has no state to lose
+  f.optimizer_with_state = 0;
+  c.on_resume(f, 2);
+  EXPECT_EQ(sink.calls.size(), 2u);
+  f.scheduler_epoch = 5;
+  f.lr = 1e-4;
+  c.on_resume(f, 3);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_EQ(sink.calls[2].severity, Severity::kWarning);
+  EXPECT_TRUE(has(sink.calls[2].message, "the learning rate is 0.0001")) << sink.calls[2].message;
+}
+
+TEST(ResumeCheck, LossyLoadsAreBadCheckpoints) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kModelLoad;
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty());
+  f.prefix = "module.";
+  f.prefix_keys = 4;
+  f.dropped_frozen = {"0.weight"};
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::bad_checkpoint);
+  EXPECT_EQ(sink.calls[1].tensor, "0.weight");
 }
 
 }  // namespace

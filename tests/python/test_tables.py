@@ -33,13 +33,14 @@ IMPLEMENTED = {
     "update_underflow": "warning",
     "low_precision_loss": "warning",
     "bad_checkpoint": "error",
+    "optimizer_reset": "error",
     "inplace_before_backward": "error",
     "bad_custom_grad": "error",
     "loss_spike": "warning",
     "trivial_loss": "warning",
     "rank_desync": "error",
 }
-UNIMPLEMENTED = ["nondeterminism", "optimizer_reset"]
+UNIMPLEMENTED = ["nondeterminism"]
 
 
 def _setup():

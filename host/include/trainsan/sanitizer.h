@@ -19,6 +19,7 @@
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
+#include "trainsan/resume_facts.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
 #include "trainsan/stats.h"
@@ -159,6 +160,8 @@ class Sanitizer {
   /// A checkpoint of this model is being saved (bad_checkpoint; Note [Checkpoint checks] in
   /// host/checks/checkpoint.cpp): the policy answers before it is written.
   void checkpoint(const CheckpointFacts& facts);
+  /// A resume event (optimizer_reset; Note [Resume checks] in host/checks/resume.cpp).
+  void resume(const ResumeFacts& facts);
   /// Whether the current step records range counts (precision headroom: a trace is written and
   /// the step is a headroom_every-th one).
   bool headroom_due() const;

@@ -1,0 +1,173 @@
+"""Resumes (issue 13): model.load_state_dict on the attached model is a resume event, judged at
+each optimizer's first step after it (optimizer_reset), and a lossy strict=False load is a
+bad_checkpoint (Note [Resume checks] in host/checks/resume.cpp).
+
+Bugs, each found: the optimizer not restored from a checkpoint that holds its state (error), an
+optimizer restored with the empty state of a fresh one (error), the scheduler not restored
+(warning), optimizer state loaded into parameters in another order (error), strict=False loading
+nothing because of a key prefix, strict=False leaving a frozen parameter at its initial value.
+Legitimate, silent: a full resume (model, optimizer, scheduler, RNG) in either order, fine-tuning
+from pretrained weights with a fresh optimizer, a backbone loaded into a model with a new head
+(strict=False), loads made before attach.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import trainsan
+
+
+def make_model(head=2):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, head))
+
+
+def make_sched(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda e: min(1.0, (e + 1) / 10))
+
+
+def train(model, opt, sched=None, steps=3):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = make_sched(opt)
+    train(model, opt, sched, 5)
+    path = tmp_path_factory.mktemp("ck") / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "epoch": 5}, path)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    empty = path.parent / "empty_opt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": fresh.state_dict(), "epoch": 5}, empty)
+    weights = path.parent / "weights.pt"
+    torch.save(model.state_dict(), weights)
+    return path, empty, weights
+
+
+def resume(path, load_opt=True, load_sched=True, opt_first=False, attach_first=True):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = make_sched(opt)
+    san = trainsan.attach(model, opt, policy="record") if attach_first else None
+    ck = torch.load(path)
+    if opt_first and load_opt:
+        opt.load_state_dict(ck["optimizer"])
+    model.load_state_dict(ck["model"] if "model" in ck else ck)
+    if load_opt and not opt_first and "optimizer" in ck:
+        opt.load_state_dict(ck["optimizer"])
+    if load_sched and "scheduler" in ck:
+        sched.load_state_dict(ck["scheduler"])
+    torch.set_rng_state(ck["rng"]) if "rng" in ck else None
+    if san is None:
+        san = trainsan.attach(model, opt, policy="record")
+    train(model, opt, sched, 2)
+    san.close()
+    return san
+
+
+def found(san, kind):
+    return [f for f in san.findings if f.kind == kind]
+
+
+@pytest.mark.parametrize("opt_first", [False, True], ids=["model_first", "optimizer_first"])
+def test_full_resume_is_silent(ckpt, opt_first):
+    san = resume(ckpt[0], opt_first=opt_first)
+    assert san.findings == [], [f.message for f in san.findings]
+
+
+def test_optimizer_not_restored_is_found(ckpt):
+    san = resume(ckpt[0], load_opt=False, load_sched=False)
+    (f,) = [f for f in found(san, "optimizer_reset") if f.severity == "error"]
+    assert f.step == 0
+    assert "holds an optimizer state (the checkpoint is from epoch=5)" in f.message
+    assert "optimizer 0 (AdamW) was not restored" in f.message
+
+
+def test_optimizer_restored_empty_is_found(ckpt):
+    san = resume(ckpt[1])
+    (f,) = found(san, "optimizer_reset")
+    assert f.severity == "error" and "was restored with an empty state" in f.message
+
+
+def test_scheduler_not_restored_is_a_warning(ckpt):
+    san = resume(ckpt[0], load_sched=False)
+    (f,) = found(san, "optimizer_reset")
+    assert f.severity == "warning"
+    assert "scheduler's state at epoch 5" in f.message and "the schedule restarts" in f.message
+
+
+def test_fine_tuning_from_weights_is_silent(ckpt):
+    san = resume(ckpt[2])
+    assert san.findings == [], [f.message for f in san.findings]
+
+
+def test_loads_before_attach_are_not_judged(ckpt):
+    san = resume(ckpt[0], load_opt=False, load_sched=False, attach_first=False)
+    assert not found(san, "optimizer_reset")
+
+
+def test_optimizer_state_in_another_order_is_found(ckpt):
+    model = make_model()
+    opt = torch.optim.AdamW(list(model.parameters())[::-1], lr=1e-3)
+    san = trainsan.attach(model, opt, policy="record")
+    ck = torch.load(ckpt[0])
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    san.close()
+    (f,) = found(san, "optimizer_reset")
+    assert "gave parameters state of other shapes" in f.message
+    assert "exp_avg of parameter 0 (2.bias): [16, 8], the parameter [2]" in f.message
+
+
+def test_strict_false_backbone_into_new_head_is_silent(ckpt):
+    model = make_model(head=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt, policy="record")
+    sd = {k: v for k, v in torch.load(ckpt[2]).items() if not k.startswith("2.")}
+    model.load_state_dict(sd, strict=False)
+    train(model, opt)
+    san.close()
+    assert san.findings == [], [f.message for f in san.findings]
+
+
+def test_strict_false_prefix_and_frozen_drops_are_found(ckpt):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt, policy="record")
+    sd = torch.load(ckpt[2])
+    model.load_state_dict({"module." + k: v for k, v in sd.items()}, strict=False)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    partial = dict(sd)
+    del partial["0.weight"]
+    model.load_state_dict(partial, strict=False)
+    san.close()
+    msgs = [f.message for f in found(san, "bad_checkpoint")]
+    assert any("loaded none of 4 keys: they are the model's under the prefix 'module.'" in m
+               for m in msgs), msgs
+    assert any("dropped 1 parameter(s) that will never train: 0.weight (frozen)" in m
+               for m in msgs), msgs
+
+
+def test_patches_are_removed_on_close():
+    owners = [(torch, "load"), (torch.nn.Module, "load_state_dict"),
+              (torch.optim.Optimizer, "load_state_dict"),
+              (torch.optim.lr_scheduler.LambdaLR, "load_state_dict")]
+    before = [o.__dict__[n] for o, n in owners]
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt)
+    assert all(o.__dict__[n] is not b for (o, n), b in zip(owners, before))
+    san.close()
+    assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
