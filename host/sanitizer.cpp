@@ -179,6 +179,8 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
                         for (const auto& s : unpack_stats(host))
                           h = (h ^ s.hash) * 0x100000001b3ull;
                         checks.inputs.on_inputs(h, at_step, restarts);
+                        input_hashes[at_step] = h;
+                        while (input_hashes.size() > 64) input_hashes.erase(input_hashes.begin());
                         coverage.inputs_fingerprinted += 1;
                       });
       } catch (const c10::Error&) {
@@ -529,8 +531,14 @@ void Sanitizer::checkpoint(const CheckpointFacts& facts) {
   report();
 }
 
+void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
+                            const std::vector<int64_t>& steps) {
+  if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);
+}
+
 void Sanitizer::resume(const ResumeFacts& facts) {
   if (impl_->closed) return;
+  if (facts.moment == ResumeFacts::Moment::kModelLoad) impl_->checks.inputs.on_resume(impl_->step);
   impl_->checks.resume.on_resume(facts, impl_->step);
   report();
 }

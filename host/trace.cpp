@@ -124,8 +124,9 @@ void TraceWriter::step(const StepRecord& r) {
   os << "{\"type\":\"step\",\"step\":" << r.step << ",\"optimizer\":" << r.opt
      << ",\"lr_zero\":" << (r.lr_zero ? "true" : "false")
      << ",\"update_stats\":" << (r.update_stats ? "true" : "false")
-     << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3)
-     << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
+     << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3);
+  if (r.inputs) os << ",\"inputs\":\"" << std::hex << *r.inputs << std::dec << "\"";
+  os << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
      << ",\"param_norm\":" << json_number(t.param_norm)
      << ",\"update_norm\":" << json_number(t.update_norm)
      << ",\"update_ratio\":" << json_number(t.update_ratio) << ",\"changed\":" << t.changed

@@ -266,6 +266,11 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
+      .def("inputs_seen",
+           [](const H& h, std::vector<int64_t> hashes, std::vector<int64_t> steps) {
+             std::vector<uint64_t> u(hashes.begin(), hashes.end());  // the bits, as int64
+             h->san->inputs_seen(u, steps);
+           })
       .def("resume",
            // Flattened ResumeFacts: strs = optimizer_type, prefix, progress; ints = moment, opt,
            // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags checkpoint_known,

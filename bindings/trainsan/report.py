@@ -338,20 +338,41 @@ def diff(path_a: str, path_b: str) -> str:
     common = sorted(set(a) & set(b))
     if not common:
         return "no step recorded in both traces"
+    numerics = _numeric_divergence(a, b, common)
+    # Data or numerics: the first step whose inputs' fingerprints differ, against the first
+    # numeric divergence (a step's tensors reflect its own inputs: a data difference at or
+    # before it explains it).
+    with_inputs = [st for st in common if "inputs" in a[st] and "inputs" in b[st]]
+    data = next((st for st in with_inputs if a[st]["inputs"] != b[st]["inputs"]), None)
+    if data is not None and (numerics is None or data <= numerics[0]):
+        return (f"runs first differ in their data at step {data}: the training inputs differ "
+                f"(fingerprint {a[data]['inputs']} vs {b[data]['inputs']}) — data order, "
+                "content or augmentation (seed the loader and its workers, restore the "
+                "sampler's state)" + (f"; numerics follow from step {numerics[0]}: "
+                                      f"{numerics[1]}" if numerics else ""))
+    if numerics is None:
+        return f"no difference in {len(common)} common steps (steps {common[0]}..{common[-1]})"
+    same = (f"; the inputs agree through step {numerics[0]}: the numerics differ, not the data"
+            if any(st <= numerics[0] for st in with_inputs) else "")
+    return f"runs diverge at step {numerics[0]}: {numerics[1]}{same}"
+
+
+def _numeric_divergence(a: dict, b: dict, common: list) -> Optional[tuple]:
+    """(step, what) of the first tensor whose fingerprint differs; None when none does."""
     for st in common:
         ta, tb = a[st].get("tensors", {}), b[st].get("tensors", {})
         if not ta or not tb:
             if a[st]["global"] != b[st]["global"]:
-                return f"runs diverge at step {st} (global statistics differ; trace per-tensor " \
-                       "statistics with trace_tensors='all' to name the tensor)"
+                return st, ("global statistics differ (trace per-tensor statistics with "
+                            "trace_tensors='all' to name the tensor)")
             continue
         for name in sorted(set(ta) | set(tb)):
             if name not in ta or name not in tb:
-                return f"runs diverge at step {st}: tensor {name} is in only one trace"
+                return st, f"tensor {name} is in only one trace"
             for part in ("grad", "param"):
                 ha = ta[name].get(part, {}).get("hash")
                 hb = tb[name].get(part, {}).get("hash")
                 if ha != hb:
-                    return (f"runs diverge at step {st}: {name}{'.grad' if part == 'grad' else ''}"
-                            f" differs (hash {ha} vs {hb})")
-    return f"no difference in {len(common)} common steps (steps {common[0]}..{common[-1]})"
+                    return st, (f"{name}{'.grad' if part == 'grad' else ''} differs (hash {ha} "
+                                f"vs {hb})")
+    return None

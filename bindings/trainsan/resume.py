@@ -211,6 +211,7 @@ class ResumeWatch:
         info = _lookup(state_dict)
         self._pending = {k: info for k in range(len(san._optimizers))}
         if strict or result is None:
+            self._send(0)  # the resume event (Note [Replayed data])
             return
         missing = list(getattr(result, "missing_keys", []))
         unexpected = list(getattr(result, "unexpected_keys", []))
@@ -220,9 +221,8 @@ class ResumeWatch:
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
                  and san._optimizers and id(params[k]) not in optimized]
-        if prefix or frozen or unopt:
-            self._send(0, prefix=prefix, ints=(matched, 0, 0, 0, 0, 0, 0, 0), frozen=frozen,
-                       unoptimized=unopt)
+        self._send(0, prefix=prefix, ints=(matched, 0, 0, 0, 0, 0, 0, 0), frozen=frozen,
+                   unoptimized=unopt)
 
     def optimizer_loaded(self, opt) -> None:
         k = self._index(opt)
@@ -287,3 +287,20 @@ def _prefix(missing: list, unexpected: list) -> tuple:
                 if n >= max(1, len(missing) // 2):
                     return p, n
     return "", 0
+
+
+def inputs_of_trace(path: str) -> tuple:
+    """resume_trace: the input fingerprints (as int64 bits) and steps of the run this one
+    resumes, from its trace; ValueError naming the option when it cannot be read."""
+    from .report import TraceError, read_trace
+
+    hashes, steps = [], []
+    try:
+        for rec in read_trace(path):
+            if rec.get("type") == "step" and isinstance(rec.get("inputs"), str):
+                h = int(rec["inputs"], 16)
+                hashes.append(h - (1 << 64) if h >= 1 << 63 else h)
+                steps.append(int(rec["step"]))
+    except (OSError, TraceError) as exc:
+        raise ValueError(f"trainsan.attach: resume_trace={path!r} cannot be read: {exc}") from None
+    return hashes, steps

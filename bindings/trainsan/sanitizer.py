@@ -89,7 +89,7 @@ from ._facts import (  # noqa: E402
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
 from .precision import Provenance, range_record, range_rows  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
-from .resume import ResumeWatch, resume_patch  # noqa: E402
+from .resume import ResumeWatch, inputs_of_trace, resume_patch  # noqa: E402
 from .replicas import active as replicas_active  # noqa: E402
 from ._patches import (  # noqa: E402
     Patch,
@@ -302,6 +302,9 @@ class Sanitizer:
         checks: dict,
         options: dict,
     ):
+        # Read before anything is installed: a bad resume_trace fails attach() cleanly.
+        seen_inputs = (inputs_of_trace(str(options["resume_trace"]))
+                       if options.get("resume_trace") else None)
         self._model = model
         self._optimizers = list(optimizers)
         self._closed = False
@@ -437,6 +440,8 @@ class Sanitizer:
         resume_patch.acquire()
         self._resume_patched = True
         self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
+        if seen_inputs is not None:
+            self._handle.inputs_seen(*seen_inputs)
         _open_sanitizers.add(self)
         _compile.compile_patch.acquire()
         self._compile_patched = True

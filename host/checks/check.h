@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -276,8 +277,17 @@ class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data])
   /// `restarts`: how many times so far a data loader was iterated anew after its previous
   /// iterator had yielded only its first batch (of more than one; ForwardFacts::data_restarts).
   void on_inputs(uint64_t hash, int64_t step, int64_t restarts = 0);
+  /// A resume at `step` (the model's state was loaded): the next steps' inputs are compared with
+  /// those of the steps trained before it (Note [Replayed data]).
+  void on_resume(int64_t step);
+  /// Inputs trained before this process (a previous run's trace): fingerprints and their steps.
+  void seed(const std::vector<uint64_t>& hashes, const std::vector<int64_t>& steps);
 
  private:
+  std::unordered_map<uint64_t, int64_t> seen_;  // fingerprint -> the first step that had it
+  int64_t replay_left_ = 0;                     // steps after a resume still compared
+  int64_t resumed_at_ = -1;
+  bool repeated_ = false;  // some fingerprint was seen twice before a resume
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
   std::optional<uint64_t> last_hash_;

@@ -21,7 +21,56 @@ namespace trainsan::host {
 // forward before full-batch training; the GAN pattern) and data echoing (A A B B C C: never two
 // changes in a row) stay silent.
 
+// Note [Replayed data]
+// ~~~~~~~~~~~~~~~~~~~~
+// After a resume the loop should see the batches that come after the checkpoint, not those it
+// trained on before: a sampler re-seeded from scratch, a loader that restarts at its first shard,
+// a checkpoint saved before the batch counter moved, all replay them. Every step's input
+// fingerprint is kept (bounded: the first 2^20 distinct ones), and those of a previous run's
+// trace are seeded (resume_trace); after a resume the first `kReplaySteps` steps whose inputs
+// equal a batch trained before it are reported (duplicate_batch, warning). Data that repeats by
+// design is exempt: once a fingerprint was seen twice before the resume (full-batch training,
+// unshuffled epochs, a sampler without set_epoch) a match says nothing. The case this cannot tell
+// apart: unshuffled data resumed exactly at its first epoch boundary (its next batch is step 0's,
+// correctly) — reported, as a warning.
+namespace {
+constexpr int64_t kReplaySteps = 3;
+constexpr size_t kSeenCap = size_t{1} << 20;
+}  // namespace
+
+void InputsCheck::on_resume(int64_t step) {
+  resumed_at_ = step;
+  replay_left_ = kReplaySteps;
+}
+
+void InputsCheck::seed(const std::vector<uint64_t>& hashes, const std::vector<int64_t>& steps) {
+  for (size_t k = 0; k < hashes.size() && k < steps.size() && seen_.size() < kSeenCap; ++k) {
+    if (!seen_.emplace(hashes[k], steps[k]).second) repeated_ = true;
+  }
+  on_resume(0);
+}
+
 void InputsCheck::on_inputs(uint64_t hash, int64_t step, int64_t restarts) {
+  if (replay_left_ > 0) {
+    replay_left_ -= 1;
+    const auto it = seen_.find(hash);
+    if (it != seen_.end() && !repeated_) {
+      sink_.add(Kind::duplicate_batch, "",
+                "after the resume at step " + std::to_string(resumed_at_) +
+                    ", this step's inputs are exactly those of step " + std::to_string(it->second) +
+                    ", trained before the checkpoint — the data order was not restored: the "
+                    "sampler or loader restarted (seed it per epoch and restore its state, or "
+                    "skip the batches already trained), or the checkpoint was saved before its "
+                    "batch counter moved",
+                static_cast<double>(it->second), step);
+      replay_left_ = 0;
+    }
+  }
+  if (seen_.size() < kSeenCap && !seen_.emplace(hash, step).second && replay_left_ == 0 &&
+      resumed_at_ < 0) {
+    repeated_ = true;  // the data repeats by design (before any resume)
+  }
+
   if (last_hash_ && *last_hash_ == hash) {
     const bool restarted = restarts > last_restarts_;
     if (restarted) {

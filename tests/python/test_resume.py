@@ -171,3 +171,98 @@ def test_patches_are_removed_on_close():
     assert all(o.__dict__[n] is not b for (o, n), b in zip(owners, before))
     san.close()
     assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
+
+
+# -- replayed data and diff ---------------------------------------------------------------------
+
+BATCHES = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+
+
+def steps_on(model, opt, batches):
+    for x in batches:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_replayed_batches_after_an_in_process_resume_are_found(tmp_path):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt, policy="record")
+    steps_on(model, opt, BATCHES[:3])
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    steps_on(model, opt, BATCHES[3:5])
+    ck = torch.load(tmp_path / "c.pt")  # roll back to the checkpoint...
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    steps_on(model, opt, BATCHES[:2])  # ...and restart the data from its first batch
+    san.close()
+    (f,) = [f for f in san.findings if f.kind == "duplicate_batch"]
+    assert f.severity == "warning"
+    assert "after the resume at step 5, this step's inputs are exactly those of step 0" \
+        in f.message
+
+
+def test_continued_batches_and_full_batch_resumes_are_silent(tmp_path):
+    for batches, after in ((BATCHES[:3], BATCHES[3:6]), ([BATCHES[0]] * 3, [BATCHES[0]] * 3)):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        san = trainsan.attach(model, opt, policy="record")
+        steps_on(model, opt, batches)
+        ck = {"model": copy_sd(model), "optimizer": opt.state_dict()}
+        model.load_state_dict(ck["model"])
+        steps_on(model, opt, after)
+        san.close()
+        assert not [f for f in san.findings if f.kind == "duplicate_batch"], san.findings
+
+
+def copy_sd(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_replay_across_processes_with_resume_trace(tmp_path):
+    first = tmp_path / "first.jsonl"
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt, policy="record", trace=str(first))
+    steps_on(model, opt, BATCHES[:4])
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    san.close()
+    for batches, replayed in ((BATCHES[:2], True), (BATCHES[4:6], False)):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        san = trainsan.attach(model, opt, policy="record", resume_trace=str(first))
+        ck = torch.load(tmp_path / "c.pt")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        steps_on(model, opt, batches)
+        san.close()
+        got = [f for f in san.findings if f.kind == "duplicate_batch"]
+        assert bool(got) == replayed, [f.message for f in san.findings]
+    model = make_model()
+    with pytest.raises(ValueError, match="resume_trace="):
+        trainsan.attach(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        resume_trace=str(tmp_path / "missing.jsonl"))
+
+
+def _traced(tmp_path, name, batches, lr=0.1):
+    path = tmp_path / name
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    san = trainsan.attach(model, opt, policy="record", trace=str(path))
+    steps_on(model, opt, batches)
+    san.close()
+    return str(path)
+
+
+def test_diff_tells_data_from_numerics(tmp_path):
+    from trainsan.report import diff
+
+    a = _traced(tmp_path, "a.jsonl", BATCHES[:5])
+    b = _traced(tmp_path, "b.jsonl", BATCHES[:2] + [BATCHES[7]] + BATCHES[3:5])
+    c = _traced(tmp_path, "c.jsonl", BATCHES[:5], lr=0.2)
+    out = diff(a, b)
+    assert out.startswith("runs first differ in their data at step 2"), out
+    out = diff(a, c)
+    assert out.startswith("runs diverge at step 0") and "the inputs agree through" in out, out
+    assert diff(a, a).startswith("no difference")

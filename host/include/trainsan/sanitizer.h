@@ -19,9 +19,9 @@
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
-#include "trainsan/resume_facts.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
+#include "trainsan/resume_facts.h"
 #include "trainsan/stats.h"
 
 namespace trainsan {
@@ -162,6 +162,9 @@ class Sanitizer {
   void checkpoint(const CheckpointFacts& facts);
   /// A resume event (optimizer_reset; Note [Resume checks] in host/checks/resume.cpp).
   void resume(const ResumeFacts& facts);
+  /// The input fingerprints of a previous run's steps (its trace, resume_trace): this run is its
+  /// resume, and its first steps must not replay them (Note [Replayed data]).
+  void inputs_seen(const std::vector<uint64_t>& hashes, const std::vector<int64_t>& steps);
   /// Whether the current step records range counts (precision headroom: a trace is written and
   /// the step is a headroom_every-th one).
   bool headroom_due() const;
