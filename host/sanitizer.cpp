@@ -531,6 +531,17 @@ void Sanitizer::checkpoint(const CheckpointFacts& facts) {
   report();
 }
 
+bool Sanitizer::rerun_due() const {
+  return !impl_->closed && impl_->opts.enabled("nondeterminism") &&
+         impl_->checks.determinism.rerun_due(impl_->step);
+}
+
+void Sanitizer::rerun_result(const RerunFacts& facts) {
+  if (impl_->closed) return;
+  impl_->checks.determinism.on_rerun(facts, impl_->step);
+  report();
+}
+
 void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
                             const std::vector<int64_t>& steps) {
   if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);

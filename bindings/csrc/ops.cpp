@@ -266,6 +266,20 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
+      .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
+      .def("rerun_result",
+           [](const H& h, int64_t where, std::string tensor, std::string type, int64_t position,
+              int64_t checked) {
+             TORCH_CHECK_VALUE(where >= 0 && where <= 2, "rerun_result: bad where ", where);
+             trainsan::RerunFacts f;
+             f.where = static_cast<trainsan::RerunFacts::Where>(where);
+             f.tensor = std::move(tensor);
+             f.type = std::move(type);
+             f.position = position;
+             f.checked = checked;
+             h->san->rerun_result(f);
+             return h->take();
+           })
       .def("inputs_seen",
            [](const H& h, std::vector<int64_t> hashes, std::vector<int64_t> steps) {
              std::vector<uint64_t> u(hashes.begin(), hashes.end());  // the bits, as int64

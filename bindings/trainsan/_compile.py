@@ -79,6 +79,7 @@ def _compiled_forward(san, module, call, args, kwargs):
     """The attached model's forward through a compiled callable: the forward event eagerly
     before, the label guard off during the call, back on after it."""
     san._prov.disabled = True  # module hooks armed per step would make dynamo recompile
+    san._rerun.disabled = True
     san._on_forward(module, args, kwargs)  # eager: may raise (policy "raise")
     guard = san._label_guard
     window = guard is not None and guard._active

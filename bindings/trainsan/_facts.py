@@ -4,6 +4,7 @@ trace header's provenance, and the source frames to skip. No rule lives here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -106,7 +107,68 @@ def _header_extra(model: torch.nn.Module) -> str:
         "git_commit": _git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    fields.update(_reproduction())
     return json.dumps(fields)[1:-1]
+
+
+# Environment variables that change numerics or the order of reductions (issue 13: what a rerun
+# of the same script needs to reproduce bits).
+_NUMERIC_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUDA_LAUNCH_BLOCKING", "PYTHONHASHSEED",
+                "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NVIDIA_TF32_OVERRIDE")
+_NUMERIC_ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDNN_", "CUBLAS")
+
+
+@functools.lru_cache(maxsize=1)
+def _packages() -> tuple:
+    """The installed distributions, "name==version", sorted (once per process)."""
+    try:
+        from importlib import metadata
+
+        return tuple(sorted({f"{d.metadata['Name']}=={d.version}"
+                             for d in metadata.distributions()
+                             if d.metadata and d.metadata["Name"]}))
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata
+        return ()
+
+
+def _reproduction() -> dict:
+    """What reconstructs a run besides the git commit: the script's source hash, the installed
+    packages (their list and one hash of it), torch.backends settings and the environment
+    variables that change numerics. Never fails the attach: a field it cannot read is left out."""
+    import hashlib
+
+    out: dict = {}
+    try:
+        script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else ""
+        if script:
+            with open(script, "rb") as fh:
+                out["script_sha256"] = hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        pass
+    pkgs = _packages()
+    if pkgs:
+        out["packages_sha256"] = hashlib.sha256("\n".join(pkgs).encode()).hexdigest()
+        out["packages"] = list(pkgs)
+    try:
+        b = torch.backends
+        out["backends"] = {
+            "cudnn_enabled": bool(b.cudnn.enabled),
+            "cudnn_benchmark": bool(b.cudnn.benchmark),
+            "cudnn_allow_tf32": bool(b.cudnn.allow_tf32),
+            "matmul_allow_tf32": bool(b.cuda.matmul.allow_tf32),
+            "matmul_fp16_reduced_precision": bool(
+                b.cuda.matmul.allow_fp16_reduced_precision_reduction),
+            "matmul_bf16_reduced_precision": bool(
+                b.cuda.matmul.allow_bf16_reduced_precision_reduction),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic_warn_only": bool(torch.is_deterministic_algorithms_warn_only_enabled()),
+            "num_threads": torch.get_num_threads(),
+        }
+    except Exception:  # noqa: BLE001 - a torch build without some backend
+        pass
+    out["numeric_env"] = {k: v for k, v in sorted(os.environ.items())
+                          if k in _NUMERIC_ENV or k.startswith(_NUMERIC_ENV_PREFIXES)}
+    return out
 
 
 def _group_lrs(opt: torch.optim.Optimizer) -> list:

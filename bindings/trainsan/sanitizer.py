@@ -87,6 +87,7 @@ from ._facts import (  # noqa: E402
     _steps_in_flight,
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
+from .determinism import Rerun  # noqa: E402
 from .precision import Provenance, range_record, range_rows  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
 from .resume import ResumeWatch, inputs_of_trace, resume_patch  # noqa: E402
@@ -321,6 +322,7 @@ class Sanitizer:
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._handles: list = []
         self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
+        self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
         names, params, opt_index, group_index = [], [], [], []
@@ -501,6 +503,7 @@ class Sanitizer:
                 self._label_guard.pop()
         if training and torch.is_grad_enabled():
             self._autograd_window()
+            self._rerun.begin_forward(args, kwargs)
             self._prov.begin_forward()
         self._py_overhead += time.perf_counter() - t0
         self._apply(found)
@@ -555,6 +558,7 @@ class Sanitizer:
             if self._replicas is not None:
                 self._replicas.first_step()
             self._stepping.add(k)
+            self._rerun.before_step()
             self._resume.first_step(k)
             self._prov.read_all()
             if self._handle.headroom_due():
@@ -808,6 +812,8 @@ class Sanitizer:
         self._handles.clear()
         if getattr(self, "_prov", None) is not None:
             self._prov.close()
+        if getattr(self, "_rerun", None) is not None:
+            self._rerun._clear()
         for opt in self._optimizers:
             ws = _watchers.get(opt, [])
             if self in ws:

@@ -16,6 +16,7 @@
 #include "finding_sink.h"
 #include "trainsan/autograd_facts.h"
 #include "trainsan/checkpoint_facts.h"
+#include "trainsan/determinism_facts.h"
 #include "trainsan/finding.h"
 #include "trainsan/options.h"
 #include "trainsan/precision_facts.h"
@@ -424,6 +425,20 @@ class ResumeCheck {  // resume.cpp: optimizer_reset, bad_checkpoint of a lossy l
   [[maybe_unused]] const Options& opts_;  // no option yet
 };
 
+class DeterminismCheck {  // determinism.cpp: nondeterminism (Note [Re-run determinism])
+ public:
+  DeterminismCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
+  void on_rerun(const RerunFacts& facts, int64_t step);
+  /// Whether the step `step` is re-run (rerun_every; 0: never).
+  bool rerun_due(int64_t step) const {
+    return opts_.rerun_every > 0 && step % opts_.rerun_every == 0;
+  }
+
+ private:
+  FindingSink& sink_;
+  const Options& opts_;
+};
+
 /// The findings of one checkpoint outside a sanitizer (python -m trainsan check): messages with
 /// the "bad_checkpoint: " prefix, step 0.
 std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts);
@@ -444,7 +459,8 @@ struct Checks {
         replicas(sink, opts),
         precision(sink, opts, origins),
         checkpoint(sink, opts),
-        resume(sink, opts) {}
+        resume(sink, opts),
+        determinism(sink, opts) {}
   Origins origins;
   GradientFlowCheck flow;
   NonfiniteCheck nonfinite;
@@ -458,6 +474,7 @@ struct Checks {
   PrecisionCheck precision;
   CheckpointCheck checkpoint;
   ResumeCheck resume;
+  DeterminismCheck determinism;
 };
 
 }  // namespace trainsan::host

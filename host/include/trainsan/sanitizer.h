@@ -16,6 +16,7 @@
 #include "trainsan/autograd_facts.h"
 #include "trainsan/checkpoint_facts.h"
 #include "trainsan/coverage.h"
+#include "trainsan/determinism_facts.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
@@ -160,6 +161,10 @@ class Sanitizer {
   /// A checkpoint of this model is being saved (bad_checkpoint; Note [Checkpoint checks] in
   /// host/checks/checkpoint.cpp): the policy answers before it is written.
   void checkpoint(const CheckpointFacts& facts);
+  /// Whether the current step is re-run for the nondeterminism check (rerun_every).
+  bool rerun_due() const;
+  /// Where a re-run of the current step first differed (nondeterminism).
+  void rerun_result(const RerunFacts& facts);
   /// A resume event (optimizer_reset; Note [Resume checks] in host/checks/resume.cpp).
   void resume(const ResumeFacts& facts);
   /// The input fingerprints of a previous run's steps (its trace, resume_trace): this run is its

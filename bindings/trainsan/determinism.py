@@ -1,0 +1,166 @@
+"""nondeterminism: the re-runs of Note [Re-run determinism] (host/checks/determinism.cpp).
+
+On a step the sanitizer samples (rerun_every), the training forward records what it started
+from — its inputs, the RNG states, a copy of the model's buffers — and the fingerprint of every
+module output, and the model's output gradients are captured in the backward. Before the
+optimizer step the forward and backward are re-run twice from that state
+(torch.autograd.grad: .grad is never touched), the fingerprints compared, and the buffers and RNG
+put back as the step left them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ._facts import _local
+from .precision import _float_tensors
+
+
+def _hashes(tensors: list) -> tuple:
+    from .stats import tensor_stats
+
+    ts = [_local(t).detach() for t in tensors]
+    return tuple(s.hash for s in tensor_stats(ts)) if ts else ()
+
+
+def _rng() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
+        torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class _Recorded:
+    def __init__(self, args, kwargs, rng, buffers):
+        self.args, self.kwargs, self.rng, self.buffers = args, kwargs, rng, buffers
+        self.modules: list = []  # (name, type, hashes) of the step's own forward, in order
+        self.outputs: list = []  # the model's floating outputs that need a gradient
+        self.cotangents: dict = {}  # index in outputs -> the gradient that reached it
+
+
+class Rerun:
+    """The nondeterminism check of one sanitizer."""
+
+    def __init__(self, san, model: torch.nn.Module):
+        self._ref = weakref.ref(san)
+        self._model = model
+        self._rec: Optional[_Recorded] = None
+        self._hooks: list = []
+        self._forwards = 0  # training forwards since the last step
+        self.disabled = False  # a compiled or distributed model
+
+    def _clear(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def begin_forward(self, args: Any, kwargs: Any) -> None:
+        self._forwards += 1
+        self._clear()
+        san = self._ref()
+        if self._forwards > 1:  # accumulation: the step's gradients are not one backward's
+            self._rec = None
+            return
+        if san is None or self.disabled or not san._handle.rerun_due() or _distributed():
+            return
+        bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
+        rec = _Recorded(args, kwargs, _rng(), bufs)
+        self._rec = rec
+        for name, m in self._model.named_modules():
+            self._hooks.append(m.register_forward_hook(
+                lambda mod, a, out, _n=name: rec.modules.append(
+                    (_n, type(mod).__name__, _hashes(_float_tensors(out, []))))))
+        self._hooks.append(self._model.register_forward_hook(
+            lambda mod, a, out: self._outputs(rec, out)))
+
+    def _outputs(self, rec: _Recorded, out: Any) -> None:
+        for i, t in enumerate(_float_tensors(out, [])):
+            if t.requires_grad:
+                rec.outputs.append(t)
+                t.register_hook(lambda g, _i=i: rec.cotangents.__setitem__(_i, g.detach()))
+
+    def before_step(self) -> None:
+        """Before the optimizer step: the re-runs, where this step was sampled."""
+        rec, self._rec = self._rec, None
+        forwards, self._forwards = self._forwards, 0
+        self._clear()
+        san = self._ref()
+        if rec is None or san is None or san._closed or forwards != 1 or not rec.cotangents:
+            return
+        a = self._run(rec)
+        b = self._run(rec)
+        facts = _compare(rec, a, b)
+        if facts is not None:
+            san._apply(san._handle.rerun_result(*facts))
+
+    def _run(self, rec: _Recorded) -> tuple:
+        model = self._model
+        now_rng = _rng()
+        after = {n: b.detach().clone() for n, b in model.named_buffers()}
+        mods: list = []
+        hooks = [m.register_forward_hook(
+            lambda mod, a, out, _n=name: mods.append(
+                (_n, type(mod).__name__, _hashes(_float_tensors(out, [])))))
+            for name, m in model.named_modules()]
+        try:
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in rec.buffers:
+                        b.copy_(rec.buffers[n])
+            _set_rng(rec.rng)
+            with torch.enable_grad():
+                out = model(*rec.args, **rec.kwargs)
+            outs = [t for t in _float_tensors(out, []) if t.requires_grad]
+            pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], [p for _, p in named],
+                                        [g for _, g in pairs], allow_unused=True)
+            order = list(range(len(named)))[::-1]  # backward order: the output's side first
+            gl = [(named[i][0], grads[i]) for i in order if grads[i] is not None]
+            ghash = dict(zip([n for n, _ in gl], _hashes([g for _, g in gl])))
+            gnames = [n for n, _ in gl]
+        finally:
+            for h in hooks:
+                h.remove()
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in after:
+                        b.copy_(after[n])
+            _set_rng(now_rng)
+        return mods, gnames, ghash
+
+
+def _compare(rec: _Recorded, a: tuple, b: tuple) -> Optional[tuple]:
+    """(where, tensor, type, position, checked) of the first difference, or None."""
+    mods_a, gnames, ga = a
+    mods_b, _, gb = b
+    if len(mods_a) == len(mods_b):
+        for i, (x, y) in enumerate(zip(mods_a, mods_b)):
+            if x[2] != y[2]:
+                return 0, x[0] or "(model)", x[1], i + 1, len(mods_a)
+    for i, n in enumerate(gnames):
+        if ga.get(n) != gb.get(n):
+            return 1, n, "", i + 1, len(gnames)
+    if len(rec.modules) == len(mods_a):
+        for i, (x, y) in enumerate(zip(rec.modules, mods_a)):
+            if x[0] == y[0] and x[2] != y[2]:
+                return 2, x[0] or "(model)", x[1], i + 1, len(mods_a)
+    return None
+
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except Exception:  # noqa: BLE001
+        return False
