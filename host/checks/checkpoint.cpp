@@ -18,7 +18,8 @@ namespace trainsan::host {
 // state bound by position to parameters of another shape) is as bad as one that fails to load.
 // Saving only the weights (no optimizer state at all) is legitimate: an export, a best-model
 // copy; so is saving only the trainable part (adapters: the frozen entries missing) or, while
-// attached, a submodule (its keys cover less than half of the model's: not judged as the model). An optimizer state that is present but covers fewer parameters than the optimizer has
+// attached, a submodule (its keys cover less than half of the model's: not judged as the
+// model). An optimizer state that is present but covers fewer parameters than the optimizer has
 // state for is not.
 
 namespace {
