@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -215,3 +216,19 @@ def _skip_frames() -> list:
         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     ]
 
+
+
+def run_guarded(fn: Callable, args: tuple, what: str, on_failure: Callable[[], None]) -> None:
+    """Run fn(*args) for a check's own machinery: a finding (TrainingBugError) goes through; any
+    other failure calls on_failure() (the check stops) and becomes a warning naming `what`,
+    never an exception in the training loop TrainSan watches."""
+    from ._findings import TrainingBugError
+
+    try:
+        fn(*args)
+    except TrainingBugError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
+        on_failure()
+        warnings.warn(f"trainsan: {what} stops: {type(exc).__name__}: {exc}; the other checks "
+                      "go on", stacklevel=4)

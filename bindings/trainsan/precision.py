@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._facts import _local
+from ._facts import _local, run_guarded
 from .stats import FLOAT_FIELDS
 
 _ABSMAX_COL = FLOAT_FIELDS.index("absmax")
@@ -226,19 +226,9 @@ class Provenance:
     def _guarded(self, p: "_Pass", backward: bool) -> None:
         """_report; a failure of this machinery (not a finding) switches it off with a warning
         instead of reaching the training loop."""
-        from ._findings import TrainingBugError
-
-        try:
-            self._report(p, backward)
-        except TrainingBugError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
-            self.disabled = True
-            warnings.warn(
-                f"trainsan: overflow provenance stops: reading its flags failed "
-                f"({type(exc).__name__}: {exc}); the other checks go on",
-                stacklevel=4,
-            )
+        run_guarded(self._report, (p, backward),
+                    "overflow provenance (reading its flags failed)",
+                    lambda: setattr(self, "disabled", True))
 
     def close(self) -> None:
         self._disarm()

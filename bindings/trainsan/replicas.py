@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._facts import _is_dtensor, _local
+from ._facts import _is_dtensor, _local, run_guarded
 from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
@@ -249,20 +249,12 @@ class ReplicaComparison:
     def _guarded(self, fn: Callable, *args: Any) -> None:
         """Run fn; a failure of the comparison's own machinery (not a finding) stops it with a
         warning instead of reaching the training loop."""
-        from ._findings import TrainingBugError
 
-        try:
-            fn(*args)
-        except TrainingBugError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
+        def stop() -> None:
             for s in self._sets:
                 s.dead = True
-            warnings.warn(
-                f"trainsan: rank_desync stops: its comparison failed ({type(exc).__name__}: "
-                f"{exc}); the other checks go on",
-                stacklevel=4,
-            )
+
+        run_guarded(fn, args, "rank_desync (its comparison failed)", stop)
 
     # -- events -----------------------------------------------------------------------------
 

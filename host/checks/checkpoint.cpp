@@ -22,17 +22,6 @@ namespace trainsan::host {
 // model). An optimizer state that is present but covers fewer parameters than the optimizer has
 // state for is not.
 
-namespace {
-
-std::string join(const std::vector<std::string>& xs, size_t shown = 4) {
-  std::string out;
-  for (size_t k = 0; k < xs.size() && k < shown; ++k) out += (k ? ", " : "") + xs[k];
-  if (xs.size() > shown) out += " and " + std::to_string(xs.size() - shown) + " more";
-  return out;
-}
-
-}  // namespace
-
 void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
   const std::string src = f.source.empty() ? std::string("the checkpoint") : f.source;
   if (!f.load_error.empty()) {
@@ -54,7 +43,7 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
     }
     sink_.add(Kind::bad_checkpoint, f.nonfinite.front().key,
               src + ": holds NaN/±Inf values in " + std::to_string(f.nonfinite.size()) +
-                  " tensor(s): " + join(names) +
+                  " tensor(s): " + join_names(names) +
                   " — the run had diverged when it was saved; a resume from it continues from "
                   "broken weights: keep the previous checkpoint and find where the values went "
                   "non-finite",
@@ -83,16 +72,17 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
       os << src << ": the model state" << at << " does not match the model:";
       if (!f.missing_trainable.empty()) {
         os << " it lacks " << f.missing_trainable.size() << " trainable parameter(s) ("
-           << join(f.missing_trainable)
+           << join_names(f.missing_trainable)
            << "), which load_state_dict(strict=False) would leave at their initial values;";
       }
       if (!f.missing_other.empty()) {
         os << " it lacks " << f.missing_other.size() << " other entr"
-           << (f.missing_other.size() == 1 ? "y" : "ies") << " (" << join(f.missing_other) << ");";
+           << (f.missing_other.size() == 1 ? "y" : "ies") << " (" << join_names(f.missing_other)
+           << ");";
       }
       if (!f.unexpected.empty()) {
         os << " it holds " << f.unexpected.size() << " key(s) the model does not have ("
-           << join(f.unexpected) << ");";
+           << join_names(f.unexpected) << ");";
       }
       os << " it was saved from another version of the model, or from part of it";
       const std::string tensor = !f.missing_trainable.empty() ? f.missing_trainable.front()
@@ -104,12 +94,12 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
                 step);
     }
     if (!f.mismatched.empty()) {
-      sink_.add(Kind::bad_checkpoint,
-                f.mismatched.front().substr(0, f.mismatched.front().find(':')),
-                src + ": tensors do not match the model's shapes or dtypes: " + join(f.mismatched) +
-                    " — load_state_dict fails on a shape (and silently "
-                    "casts a dtype)",
-                static_cast<double>(f.mismatched.size()), step);
+      sink_.add(
+          Kind::bad_checkpoint, f.mismatched.front().substr(0, f.mismatched.front().find(':')),
+          src + ": tensors do not match the model's shapes or dtypes: " + join_names(f.mismatched) +
+              " — load_state_dict fails on a shape (and silently "
+              "casts a dtype)",
+          static_cast<double>(f.mismatched.size()), step);
     }
   }
   if (f.have_optimizer_state && f.live_with_state > 0 &&
@@ -125,8 +115,8 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
   }
   if (!f.state_mismatched.empty()) {
     sink_.add(Kind::bad_checkpoint, "",
-              src +
-                  ": the optimizer state does not fit its parameters: " + join(f.state_mismatched) +
+              src + ": the optimizer state does not fit its parameters: " +
+                  join_names(f.state_mismatched) +
                   " — optimizer state is bound to parameters by position, so the parameter "
                   "order (or the model) changed between the optimizer that saved it and this "
                   "one: build the optimizer over the same parameters in the same order",

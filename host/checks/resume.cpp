@@ -27,17 +27,6 @@ namespace trainsan::host {
 // model's under another prefix loaded nothing — bad_checkpoint (a new head that trains is
 // legitimate: it is not reported).
 
-namespace {
-
-std::string join(const std::vector<std::string>& xs, size_t shown = 4) {
-  std::string out;
-  for (size_t k = 0; k < xs.size() && k < shown; ++k) out += (k ? ", " : "") + xs[k];
-  if (xs.size() > shown) out += " and " + std::to_string(xs.size() - shown) + " more";
-  return out;
-}
-
-}  // namespace
-
 void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
   using M = ResumeFacts::Moment;
   const std::string opt = "optimizer " + std::to_string(f.opt) +
@@ -60,7 +49,7 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
       if (!stuck.empty()) {
         sink_.add(Kind::bad_checkpoint, stuck.front(),
                   "model.load_state_dict(strict=False) dropped " + std::to_string(stuck.size()) +
-                      " parameter(s) that will never train: " + join(stuck) + " (" +
+                      " parameter(s) that will never train: " + join_names(stuck) + " (" +
                       (f.dropped_frozen.empty() ? "in no optimizer" : "frozen") +
                       ") — they keep their initial values; the checkpoint lacks them (another "
                       "model version, a renamed module): load them, or train them",
@@ -72,7 +61,7 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
       if (!f.state_mismatched.empty()) {
         sink_.add(Kind::optimizer_reset, "",
                   opt + ".load_state_dict gave parameters state of other shapes: " +
-                      join(f.state_mismatched) +
+                      join_names(f.state_mismatched) +
                       " — optimizer state binds to parameters by position: the optimizer was "
                       "built over the parameters in another order (or another model) than the "
                       "one that saved it",
