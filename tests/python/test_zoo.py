@@ -35,6 +35,12 @@ REQUIRED_KINDS = [
     "trivial_loss",
     "inplace_before_backward",
     "bad_custom_grad",
+    "amp_scale_collapse",
+    "update_underflow",
+    "low_precision_loss",
+    "bad_checkpoint",
+    "optimizer_reset",
+    "nondeterminism",
 ]
 
 ZOO_TIME_LIMIT_S = 180.0

@@ -2034,6 +2034,7 @@ def _c_custom_functions(ctx):
 # registers them with @case; it imports this (partly initialised) module for the helpers above.
 import zoo_audit  # noqa: E402,F401
 import zoo_mode  # noqa: E402,F401  (no_grad_leak, eval_mode, duplicate_batch: Note [Mode rules])
+import zoo_lifecycle  # noqa: E402,F401  (mixed precision, checkpoints, resumes, determinism)
 
 BUGGY = [c for c in CASES if not c.clean]
 CLEAN = [c for c in CASES if c.clean]
