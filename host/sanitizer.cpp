@@ -192,6 +192,35 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
 }
 
+void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
+  // The first loss of a step: its targets' fingerprint for the trace (diff: data or numerics).
+  if (closed || target_hash_step == step || ts.empty() || !trace.is_open()) return;
+  std::vector<at::Tensor> ok;
+  for (const auto& t : ts) {
+    if (t.defined() && t.layout() == at::kStrided && !t.is_meta() &&
+        (t.device().is_cpu() || t.device().is_cuda()) && t.device() == ts[0].device()) {
+      ok.push_back(t.detach());
+    }
+  }
+  if (ok.empty()) return;
+  const auto t0 = Clock::now();
+  target_hash_step = step;
+  const int64_t at_step = step;
+  try {
+    check_tensors(ok, "trainsan targets");
+    readback.push(start_host_copy(tensor_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
+                  [this, at_step](const PackedStats& host) {
+                    uint64_t h = 0x84222325cbf29ce4ull;
+                    for (const auto& s : unpack_stats(host)) h = (h ^ s.hash) * 0x100000001b3ull;
+                    target_hashes[at_step] = h;
+                    while (target_hashes.size() > 64) target_hashes.erase(target_hashes.begin());
+                  });
+  } catch (const c10::Error&) {
+    // unsupported target dtypes: not fingerprinted
+  }
+  add_overhead(seconds_since(t0));
+}
+
 void SanitizerImpl::manual_boundary() {
   if (grads.any_produced()) step_end(-1, /*lr_zero=*/false, /*manual=*/true);
 }
@@ -431,6 +460,8 @@ void Sanitizer::step_in_flight(int64_t opt) {
     impl_->in_flight.push_back(opt);
   }
 }
+
+void Sanitizer::loss_targets(const std::vector<at::Tensor>& targets) { impl_->targets(targets); }
 
 void Sanitizer::amp_skip(int64_t opt) {
   ScalerStep s;

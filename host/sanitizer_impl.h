@@ -98,7 +98,10 @@ struct SanitizerImpl {
   int64_t no_grad_train_forwards_total = 0;
   std::map<int64_t, std::pair<int64_t, int64_t>> forwards_at_step;  // opt -> (grad, no_grad)
   int64_t input_hash_step = -1;
-  std::map<int64_t, uint64_t> input_hashes;  // step -> its inputs' fingerprint (the latest few)
+  std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
+  std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint
+  int64_t target_hash_step = -1;
+  void targets(const std::vector<at::Tensor>& targets);
   int64_t amp_skips = 0;
   // rank_desync (compare_replicas, when enabled): the fingerprints of the passes checked since
   // they were last taken.

@@ -355,8 +355,12 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.update_stats = v.totals.any_update;
     rec.overhead_s = step_overhead_s;
     rec.totals = v.totals;
-    if (const auto it = input_hashes.find(p.step); it != input_hashes.end())
+    if (const auto it = input_hashes.find(p.step); it != input_hashes.end()) {
       rec.inputs = it->second;
+    }
+    if (const auto it = target_hashes.find(p.step); it != target_hashes.end()) {
+      rec.targets = it->second;
+    }
     trace.step(rec);
     step_overhead_s = 0.0;
   }

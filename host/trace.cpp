@@ -126,6 +126,7 @@ void TraceWriter::step(const StepRecord& r) {
      << ",\"update_stats\":" << (r.update_stats ? "true" : "false")
      << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3);
   if (r.inputs) os << ",\"inputs\":\"" << std::hex << *r.inputs << std::dec << "\"";
+  if (r.targets) os << ",\"targets\":\"" << std::hex << *r.targets << std::dec << "\"";
   os << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
      << ",\"param_norm\":" << json_number(t.param_norm)
      << ",\"update_norm\":" << json_number(t.update_norm)

@@ -266,6 +266,8 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
+      .def("loss_targets",
+           [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
       .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
       .def("rerun_result",
            [](const H& h, int64_t where, std::string tensor, std::string type, int64_t position,

@@ -343,10 +343,17 @@ def diff(path_a: str, path_b: str) -> str:
     # numeric divergence (a step's tensors reflect its own inputs: a data difference at or
     # before it explains it).
     with_inputs = [st for st in common if "inputs" in a[st] and "inputs" in b[st]]
-    data = next((st for st in with_inputs if a[st]["inputs"] != b[st]["inputs"]), None)
+
+    def data_differs(st) -> str:
+        for key, what in (("inputs", "training inputs"), ("targets", "targets")):
+            if key in a[st] and key in b[st] and a[st][key] != b[st][key]:
+                return f"the {what} differ (fingerprint {a[st][key]} vs {b[st][key]})"
+        return ""
+
+    data = next((st for st in with_inputs if data_differs(st)), None)
     if data is not None and (numerics is None or data <= numerics[0]):
-        return (f"runs first differ in their data at step {data}: the training inputs differ "
-                f"(fingerprint {a[data]['inputs']} vs {b[data]['inputs']}) — data order, "
+        return (f"runs first differ in their data at step {data}: {data_differs(data)} — "
+                "data order, "
                 "content or augmentation (seed the loader and its workers, restore the "
                 "sampler's state)" + (f"; numerics follow from step {numerics[0]}: "
                                       f"{numerics[1]}" if numerics else ""))

@@ -309,6 +309,7 @@ class Sanitizer:
         self._model = model
         self._optimizers = list(optimizers)
         self._closed = False
+        self._tracing = bool(trace)  # a trace is written: step fingerprints of the targets
         self._getstate_patched = False
         self._compile_patched = False
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
@@ -705,6 +706,27 @@ class Sanitizer:
             return
         self._prov.read_forward()
         self._apply(self._handle.loss(_local(loss)))
+        self._targets(loss)
+
+    def _targets(self, loss: torch.Tensor) -> None:
+        """The targets the loss was computed against (the `_saved_target` of the loss nodes
+        nearest the root), for the trace's step fingerprints; only when a trace is written."""
+        if not self._tracing:
+            return
+        t0 = time.perf_counter()
+        found, seen, frontier = [], set(), [getattr(loss, "grad_fn", None)]
+        while frontier and len(seen) < 16:
+            node = frontier.pop(0)
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            t = getattr(node, "_saved_target", None)
+            if isinstance(t, torch.Tensor):
+                found.append(_local(t))
+            frontier += [n for n, _ in getattr(node, "next_functions", ())]
+        if found:
+            self._handle.loss_targets(found)
+        self._py_overhead += time.perf_counter() - t0
 
     def _take_overhead(self) -> float:
         t, self._py_overhead = self._py_overhead, 0.0
@@ -728,6 +750,7 @@ class Sanitizer:
         if not self._closed and self._first_watch(loss):
             self._prov.read_forward()
             self._apply(self._handle.loss(_local(loss)))
+            self._targets(loss)
         return loss
 
     @property

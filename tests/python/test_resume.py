@@ -266,3 +266,25 @@ def test_diff_tells_data_from_numerics(tmp_path):
     out = diff(a, c)
     assert out.startswith("runs diverge at step 0") and "the inputs agree through" in out, out
     assert diff(a, a).startswith("no difference")
+
+
+def test_diff_names_targets_that_differ(tmp_path):
+    from trainsan.report import diff
+
+    def traced(name, labels):
+        path = tmp_path / name
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        san = trainsan.attach(model, opt, policy="record", trace=str(path))
+        for i, x in enumerate(BATCHES[:4]):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), labels(i)).backward()
+            opt.step()
+        san.close()
+        return str(path)
+
+    a = traced("a.jsonl", lambda i: torch.tensor([0, 1, 0, 1]))
+    b = traced("b.jsonl", lambda i: torch.tensor([0, 1, 0, 1]) if i < 2
+               else torch.tensor([1, 0, 1, 0]))
+    out = diff(a, b)
+    assert out.startswith("runs first differ in their data at step 2: the targets differ"), out

@@ -123,6 +123,9 @@ class Sanitizer {
                   const std::vector<bool>& module_eval = {});
   /// Check a loss for NaN/Inf (nonfinite_loss).
   void watch_loss(const at::Tensor& loss);
+  /// The targets the step's loss compared the model's output with (the first call of a step
+  /// counts): fingerprinted for the trace's step record ("targets"), read back asynchronously.
+  void loss_targets(const std::vector<at::Tensor>& targets);
   /// After optimizer.step(): step_end(0, lr_zero). `lr_zero` says the step ran with learning
   /// rate 0 (warm-up), so "no change" is fine.
   void end_step(bool lr_zero = false);
