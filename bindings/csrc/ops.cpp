@@ -21,7 +21,7 @@ trainsan::CheckpointFacts checkpoint_facts(
     std::vector<std::string> missing_other, std::vector<std::string> unexpected,
     std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
     int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched) {
+    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
   TORCH_CHECK_VALUE(nonfinite_counts.size() == 2 * nonfinite_keys.size(),
                     "checkpoint facts: nonfinite_counts must hold (count, numel) per key");
   trainsan::CheckpointFacts f;
@@ -45,6 +45,8 @@ trainsan::CheckpointFacts checkpoint_facts(
   f.optimizer_with_state = optimizer_with_state;
   f.live_with_state = live_with_state;
   f.state_mismatched = std::move(state_mismatched);
+  f.optimizer_step_saved = step_saved;
+  f.optimizer_step_live = step_live;
   return f;
 }
 
@@ -56,13 +58,13 @@ std::vector<std::string> judge_checkpoint_op(
     std::vector<std::string> missing_other, std::vector<std::string> unexpected,
     std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
     int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched) {
+    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
   std::vector<std::string> out;
   for (const trainsan::Finding& f : trainsan::judge_checkpoint(checkpoint_facts(
            source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found, model_key,
            model_keys, missing_trainable, missing_other, unexpected, mismatched, ddp_prefix,
            have_optimizer_state, optimizer_params, optimizer_with_state, live_with_state,
-           state_mismatched))) {
+           state_mismatched, step_saved, step_live))) {
     out.insert(out.end(), {f.kind, f.severity, f.tensor, f.message});
   }
   return out;
@@ -328,12 +330,12 @@ TORCH_LIBRARY(trainsan, m) {
               std::vector<std::string> unexpected, std::vector<std::string> mismatched,
               bool ddp_prefix, bool have_optimizer_state, int64_t optimizer_params,
               int64_t optimizer_with_state, int64_t live_with_state,
-              std::vector<std::string> state_mismatched) {
+              std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
              h->san->checkpoint(checkpoint_facts(
                  source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found,
                  model_key, model_keys, missing_trainable, missing_other, unexpected, mismatched,
                  ddp_prefix, have_optimizer_state, optimizer_params, optimizer_with_state,
-                 live_with_state, state_mismatched));
+                 live_with_state, state_mismatched, step_saved, step_live));
              return h->take();
            })
       .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })

@@ -117,6 +117,8 @@ class _Facts:
     optimizer_with_state: int = 0
     live_with_state: int = -1
     state_mismatched: list = dataclasses.field(default_factory=list)
+    step_saved: int = -1
+    step_live: int = -1
     # For the report only:
     tensors: list = dataclasses.field(default_factory=list)  # (key, shape, dtype, nonfinite)
     scalars: list = dataclasses.field(default_factory=list)
@@ -129,7 +131,7 @@ class _Facts:
                 self.model_key, self.model_keys, self.missing_trainable, self.missing_other,
                 self.unexpected, self.mismatched, self.ddp_prefix, self.have_optimizer_state,
                 self.optimizer_params, self.optimizer_with_state, self.live_with_state,
-                self.state_mismatched)
+                self.state_mismatched, self.step_saved, self.step_live)
 
 
 def _compare_model(f: _Facts, dicts: list, model: torch.nn.Module, part_ok: bool) -> None:
@@ -171,11 +173,24 @@ def _compare_model(f: _Facts, dicts: list, model: torch.nn.Module, part_ok: bool
     f.unexpected = [k for k in sd if k not in expected]
 
 
+def _step_of(state: Any) -> int:
+    """A parameter's optimizer "step" counter (tensor or number); -1 where it has none."""
+    s = state.get("step") if isinstance(state, Mapping) else None
+    try:
+        return int(s.item()) if isinstance(s, torch.Tensor) and s.numel() == 1 else (
+            int(s) if isinstance(s, (int, float)) else -1)
+    except (ValueError, OverflowError):  # a NaN or Inf counter: the non-finite scan reports it
+        return -1
+
+
 def _compare_optimizers(f: _Facts, optims: list, live: list, model) -> None:
     f.have_optimizer_state = True
     if live:
         f.live_with_state = sum(
             sum(1 for g in o.param_groups for p in g["params"] if o.state.get(p)) for o in live)
+        f.step_live = max((_step_of(st) for o in live for st in o.state.values()), default=-1)
+        f.step_saved = max((_step_of(st) for _, od in optims
+                            for st in (od.get("state") or {}).values()), default=-1)
     names = {}
     if model is not None:
         names = {id(p): n for n, p in _unwrap_model(model).named_parameters()}

@@ -411,6 +411,7 @@ class CheckpointCheck {  // checkpoint.cpp: bad_checkpoint (Note [Checkpoint che
   void on_checkpoint(const CheckpointFacts& facts, int64_t step);
 
  private:
+  void sub_stale(const CheckpointFacts& f, const std::string& src, int64_t step);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
 };

@@ -22,6 +22,17 @@ namespace trainsan::host {
 // model). An optimizer state that is present but covers fewer parameters than the optimizer has
 // state for is not.
 
+void CheckpointCheck::sub_stale(const CheckpointFacts& f, const std::string& src, int64_t step) {
+  sink_.add(Kind::bad_checkpoint, "",
+            src + ": the optimizer state is from its step " +
+                std::to_string(f.optimizer_step_saved) + " while the optimizer is at step " +
+                std::to_string(f.optimizer_step_live) +
+                " — it was captured earlier (a state_dict() kept or deep-copied before the last "
+                "steps), so a resume pairs these weights with older moments: save "
+                "optimizer.state_dict() when you save the model",
+            static_cast<double>(f.optimizer_step_saved), step);
+}
+
 void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
   const std::string src = f.source.empty() ? std::string("the checkpoint") : f.source;
   if (!f.load_error.empty()) {
@@ -112,6 +123,9 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
                   "others from zero: save optimizer.state_dict() of the optimizer that trained, "
                   "after its steps",
               static_cast<double>(f.optimizer_with_state), step);
+  }
+  if (f.optimizer_step_saved >= 0 && f.optimizer_step_live > f.optimizer_step_saved) {
+    sub_stale(f, src, step);
   }
   if (!f.state_mismatched.empty()) {
     sink_.add(Kind::bad_checkpoint, "",

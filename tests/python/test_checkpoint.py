@@ -220,3 +220,20 @@ def test_bad_arguments_are_clear_errors():
         trainsan.check_checkpoint({}, model="resnet")
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         trainsan.check_checkpoint({}, optimizer=3)
+
+
+def test_stale_optimizer_snapshot_is_found(tmp_path):
+    import copy as _copy
+
+    model, opt = trained(steps=2)
+    old = _copy.deepcopy(opt.state_dict())  # kept from step 2
+    san = trainsan.attach(model, opt, policy="record")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": old}, tmp_path / "stale.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ok.pt")
+    san.close()
+    (f,) = [f for f in san.findings if f.kind == "bad_checkpoint"]
+    assert "the optimizer state is from its step 2 while the optimizer is at step 5" in f.message

@@ -41,6 +41,10 @@ struct CheckpointFacts {
   int64_t live_with_state = -1;
   /// "exp_avg of parameter 3 (fc2.weight): [4, 8], the parameter [8, 4]"
   std::vector<std::string> state_mismatched;
+  /// The step counters of the optimizer state in it and of the optimizer it was saved from (the
+  /// largest per-parameter "step"); -1 where unknown.
+  int64_t optimizer_step_saved = -1;
+  int64_t optimizer_step_live = -1;
 };
 
 }  // namespace trainsan
