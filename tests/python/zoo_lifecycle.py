@@ -18,6 +18,17 @@ import torch.nn.functional as F
 
 from zoo import STEPS, SmallCNN, case, image_batch, make_mlp, regression_batch
 
+def _train(model, opt, batch, loss_fn, after_step=None):
+    """The plain loop of most cases: STEPS steps of zero_grad, loss, backward, step."""
+    for step in range(STEPS):
+        x, y = batch()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+
+
 # -- mixed precision ---------------------------------------------------------------------------
 
 
@@ -148,16 +159,15 @@ def _bc_nan(ctx):
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ctx.attach(model, opt)
-    for step in range(STEPS):
-        x, y = regression_batch()
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+
+    def after(step):
         if step == 3:
             with torch.no_grad():
                 model[0].weight[0, 0] = float("nan")
         if step >= 3:
             _save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+
+    _train(model, opt, regression_batch, F.mse_loss, after)
 
 
 @case("bad_checkpoint/fresh_optimizer_state_cnn", "bad_checkpoint", 5, "cnn", "Adam",
@@ -167,14 +177,9 @@ def _bc_fresh(ctx):
     model = SmallCNN()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctx.attach(model, opt)
-    for step in range(STEPS):
-        x, y = image_batch()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step == 4:
-            _save({"model": model.state_dict(),
-                   "optimizer": torch.optim.Adam(model.parameters()).state_dict()})
+    _train(model, opt, image_batch, F.cross_entropy, lambda step: step == 4 and _save(
+        {"model": model.state_dict(),
+         "optimizer": torch.optim.Adam(model.parameters()).state_dict()}))
 
 
 @case("clean/ema_and_full_checkpoint_mlp", None, None, "mlp", "AdamW",
@@ -254,11 +259,7 @@ def _c_new_head(ctx):
     ctx.attach(model, opt)
     sd = {k: v for k, v in pre.state_dict().items() if not k.startswith("2.")}
     model.load_state_dict(sd, strict=False)
-    for _ in range(STEPS):
-        x, y = regression_batch()
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+    _train(model, opt, regression_batch, F.mse_loss)
 
 
 # -- determinism ---------------------------------------------------------------------------------
@@ -287,11 +288,7 @@ def _nd_mlp(ctx):
     model = nn.Sequential(_Jitter(), make_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ctx.attach(model, opt, rerun_every=1)
-    for _ in range(STEPS):
-        x, y = regression_batch()
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+    _train(model, opt, regression_batch, F.mse_loss)
 
 
 @case("nondeterminism/call_counter_cnn", "nondeterminism", 0, "cnn", "Adam",
@@ -300,11 +297,7 @@ def _nd_cnn(ctx):
     model = nn.Sequential(_Counter(), SmallCNN())
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctx.attach(model, opt, rerun_every=2)
-    for _ in range(STEPS):
-        x, y = image_batch()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    _train(model, opt, image_batch, F.cross_entropy)
 
 
 @case("clean/deterministic_rerun_cnn", None, None, "cnn", "SGD+momentum",
@@ -314,8 +307,4 @@ def _c_rerun(ctx):
     model = nn.Sequential(nn.Dropout(0.1), SmallCNN())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ctx.attach(model, opt, rerun_every=1)
-    for _ in range(STEPS):
-        x, y = image_batch()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    _train(model, opt, image_batch, F.cross_entropy)
