@@ -302,24 +302,40 @@ std::string dtype_of_eps(double eps) {
 // bound: never a false alarm). Per tensor of the stepping optimizer (learning rate not 0, finite
 // gradient and weights), on the steps whose update statistics were measured (the overhead budget
 // samples them): the warning after update_underflow_steps such steps in a row at or above
-// update_underflow_fraction — or, for float32/float64 weights, where rounding away is rare and
-// usually harmless (elements whose gradient is negligible), at or above 90%. A step that changed
-// nothing at all is this rule too where the step-level skipped_step does not judge it (updates
-// predicted below 4 ulp: Note [Unchanged tensors]).
+// update_underflow_fraction. float16/bfloat16 weights only: in float32 an update rounds away only
+// when it is negligible anyway (update_ratio's low band speaks for a learning rate far too low);
+// and not a tensor whose gradient RMS is below 1e-3 of the step's largest (a bias before a
+// normalisation layer: its gradient cancels, and what rounds away never mattered). A step that
+// changed nothing at all is this rule too where the step-level skipped_step does not judge it
+// (updates predicted below 4 ulp: Note [Unchanged tensors]).
 void PrecisionCheck::on_step(const StepView& v) {
   if (v.partial || v.manual || v.lr_zero) return;
+  const auto judged = [&](const ParamView& p) {
+    return p.opt == v.opt && p.trainable && p.update && p.grad && p.lr != 0.0 &&
+           p.grad->nonfinite() == 0 && p.param.nonfinite() == 0 &&
+           p.eps >= std::ldexp(1.0, -10) &&  // float16, bfloat16
+           p.grad->numel > p.grad->zero;
+  };
+  // The gradient scale of the step: tensors whose gradient is negligible against it (a bias
+  // before a normalisation, whose gradient cancels) lose nothing that matters by rounding.
+  double top_rms = 0.0;
   for (const ParamView& p : v.params) {
-    if (p.opt != v.opt || !p.trainable || !p.update || !p.grad || p.lr == 0.0) continue;
-    if (p.grad->nonfinite() > 0 || p.param.nonfinite() > 0 || p.eps <= 0.0) continue;
+    if (!judged(p)) continue;
+    const auto nz = static_cast<double>(p.grad->numel - p.grad->zero);
+    top_rms = std::max(top_rms, p.grad->l2 / std::sqrt(nz));
+  }
+  for (const ParamView& p : v.params) {
+    if (!judged(p)) continue;
     if (underflow_steps_.size() <= p.index) underflow_steps_.resize(p.index + 1, 0);
     int64_t& run = underflow_steps_[p.index];
     const int64_t nz = p.grad->numel - p.grad->zero;
-    if (nz <= 0) continue;  // not measured: the run goes on
+    if (p.grad->l2 / std::sqrt(static_cast<double>(nz)) < 1e-3 * top_rms) {
+      run = 0;
+      continue;
+    }
     const int64_t lost = std::max<int64_t>(0, nz - p.update->changed);
     const double frac = static_cast<double>(lost) / static_cast<double>(nz);
-    const bool low = p.eps >= std::ldexp(1.0, -10);  // float16, bfloat16
-    if (frac <
-        (low ? opts_.update_underflow_fraction : std::max(opts_.update_underflow_fraction, 0.9))) {
+    if (frac < opts_.update_underflow_fraction) {
       run = 0;
       continue;
     }

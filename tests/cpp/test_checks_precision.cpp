@@ -261,7 +261,7 @@ TEST(PrecisionCheck, UpdateUnderflowPerTensorAfterConsecutiveSteps) {
   EXPECT_TRUE(sink.calls.empty());
   v.step = 2;
   c.on_step(v);
-  ASSERT_EQ(sink.calls.size(), 1u);  // not w (10% lost), not f (fp32: 90% needed)
+  ASSERT_EQ(sink.calls.size(), 1u);  // not w (10% lost), not f (float32 is not judged)
   EXPECT_EQ(sink.calls[0].tensor, "ln.weight");
   EXPECT_NEAR(*sink.calls[0].value, 27.0 / 30.0, 1e-12);
   EXPECT_TRUE(has(sink.calls[0].message, "left 27 of its 30 elements")) << sink.calls[0].message;
@@ -276,6 +276,24 @@ TEST(PrecisionCheck, UpdateUnderflowPerTensorAfterConsecutiveSteps) {
   c.on_step(v);
   v.lr_zero = true;
   c.on_step(v);
+  EXPECT_TRUE(sink.calls.empty());
+}
+
+TEST(PrecisionCheck, NegligibleGradientsAreNotUnderflow) {
+  FakeSink sink;
+  Options o;
+  Origins origins(o);
+  PrecisionCheck c(sink, o, origins);
+  const double bf16 = std::ldexp(1.0, -7);
+  StepView v;
+  v.opt = 0;
+  // A conv bias before BatchNorm: its gradient cancels to ~0 and nothing of it moves.
+  v.params = {lossy(0, "conv.bias", bf16, 16, 0, 0), lossy(1, "fc.weight", bf16, 64, 0, 60)};
+  v.params[0].grad->l2 = 1e-9;
+  for (int s = 0; s < 5; ++s) {
+    v.step = s;
+    c.on_step(v);
+  }
   EXPECT_TRUE(sink.calls.empty());
 }
 
