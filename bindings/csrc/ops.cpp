@@ -256,7 +256,6 @@ TORCH_LIBRARY(trainsan, m) {
              return h->take();
            })
       .def("step_in_flight", [](const H& h, int64_t opt) { h->san->step_in_flight(opt); })
-      .def("amp_skip", [](const H& h, int64_t opt) { h->san->amp_skip(opt); })
       .def("scaler_step",
            [](const H& h, int64_t opt, bool skipped, double scale) {
              trainsan::ScalerStep s;
@@ -291,14 +290,14 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("resume",
            // Flattened ResumeFacts: strs = optimizer_type, prefix, progress; ints = moment, opt,
-           // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags checkpoint_known,
+           // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags
            // checkpoint_has_optimizer_state, optimizer_restored, stateful, scheduler_restored.
            [](const H& h, std::vector<std::string> strs, std::vector<int64_t> ints,
               std::vector<double> reals, std::vector<std::string> dropped_frozen,
               std::vector<std::string> dropped_unoptimized,
               std::vector<std::string> state_mismatched) {
-             TORCH_CHECK_VALUE(strs.size() == 3 && ints.size() == 10 && reals.size() == 2,
-                               "resume: expected 3 strings, 10 ints and 2 reals");
+             TORCH_CHECK_VALUE(strs.size() == 3 && ints.size() == 9 && reals.size() == 2,
+                               "resume: expected 3 strings, 9 ints and 2 reals");
              TORCH_CHECK_VALUE(ints[0] >= 0 && ints[0] <= 2, "resume: bad moment ", ints[0]);
              trainsan::ResumeFacts f;
              f.moment = static_cast<trainsan::ResumeFacts::Moment>(ints[0]);
@@ -309,11 +308,10 @@ TORCH_LIBRARY(trainsan, m) {
              f.prefix_keys = ints[2];
              f.optimizer_with_state = ints[3];
              f.scheduler_epoch = ints[4];
-             f.checkpoint_known = ints[5] != 0;
-             f.checkpoint_has_optimizer_state = ints[6] != 0;
-             f.optimizer_restored = ints[7] != 0;
-             f.stateful = ints[8] != 0;
-             f.scheduler_restored = ints[9] != 0;
+             f.checkpoint_has_optimizer_state = ints[5] != 0;
+             f.optimizer_restored = ints[6] != 0;
+             f.stateful = ints[7] != 0;
+             f.scheduler_restored = ints[8] != 0;
              f.lr = reals[0];
              f.checkpoint_lr = reals[1];
              f.dropped_frozen = std::move(dropped_frozen);

@@ -121,6 +121,7 @@ class _Facts:
     step_live: int = -1
     # For the report only:
     tensors: list = dataclasses.field(default_factory=list)  # (key, shape, dtype, nonfinite)
+    values: int = 0  # elements of all its tensors
     scalars: list = dataclasses.field(default_factory=list)
     optimizer_keys: list = dataclasses.field(default_factory=list)
 
@@ -173,6 +174,20 @@ def _compare_model(f: _Facts, dicts: list, model: torch.nn.Module, part_ok: bool
     f.unexpected = [k for k in sd if k not in expected]
 
 
+def state_mismatches(params: list, states: list, names: dict) -> list:
+    """Per parameter (by position) whose per-element optimizer state (_PER_ELEMENT) has another
+    shape than the parameter: "exp_avg of parameter 3 (fc.weight): [4, 8], the parameter [8, 4]"
+    (the first such entry of each). `states[i]` is the state of `params[i]` (None: none)."""
+    out = []
+    for pos, (p, st) in enumerate(zip(params, states)):
+        for key, v in (st or {}).items():
+            if key in _PER_ELEMENT and isinstance(v, torch.Tensor) and v.shape != p.shape:
+                out.append(f"{key} of parameter {pos} ({names.get(id(p), '?')}): {_shape(v)}, "
+                           f"the parameter {_shape(p)}")
+                break
+    return out
+
+
 def _step_of(state: Any) -> int:
     """A parameter's optimizer "step" counter (tensor or number); -1 where it has none."""
     s = state.get("step") if isinstance(state, Mapping) else None
@@ -212,15 +227,7 @@ def _compare_optimizers(f: _Facts, optims: list, live: list, model) -> None:
                 f"{path or 'the optimizer'} holds {len(ids)} parameters, the optimizer it "
                 f"belongs to {len(params)}")
             continue
-        for pos, pid in enumerate(ids):
-            p = params[pos]
-            for key, v in (state.get(pid) or {}).items():
-                if (isinstance(v, torch.Tensor) and key in _PER_ELEMENT
-                        and tuple(v.shape) != tuple(p.shape)):
-                    f.state_mismatched.append(
-                        f"{key} of parameter {pos} ({names.get(id(p), '?')}): {_shape(v)}, the "
-                        f"parameter {_shape(p)}")
-                    break
+        f.state_mismatched += state_mismatches(params, [state.get(pid) for pid in ids], names)
 
 
 def gather(obj: Any, source: str, model: Optional[torch.nn.Module] = None,
@@ -234,6 +241,7 @@ def gather(obj: Any, source: str, model: Optional[torch.nn.Module] = None,
     for path, t in tensors:
         n = bad.get(path, 0)
         f.tensors.append((path, _shape(t), _dtype(t), n))
+        f.values += t.numel()
         if n:
             f.nonfinite.append((path, n, t.numel()))
     if model is not None:
@@ -265,8 +273,7 @@ class CheckpointReport:
         if f.load_error:
             lines.append("  not loaded (weights_only=True refused it)")
         else:
-            numel = sum(int(torch.Size(eval_shape(s)).numel()) for _, s, _, _ in f.tensors)
-            lines.append(f"  {len(f.tensors)} tensors, {numel:,} values")
+            lines.append(f"  {len(f.tensors)} tensors, {f.values:,} values")
             if f.have_model:
                 where = f"under '{f.model_key}'" if f.model_key else "at the top level"
                 lines.append(f"  model state: {where}" if f.model_found
@@ -290,10 +297,6 @@ class CheckpointReport:
         else:
             lines.append("  no findings")
         return "\n".join(lines)
-
-
-def eval_shape(s: str) -> list:
-    return [int(v) for v in s.strip("[]").split(",") if v.strip()]
 
 
 def _load(path: str) -> tuple:

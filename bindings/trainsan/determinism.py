@@ -17,13 +17,11 @@ import torch
 
 from ._facts import _local
 from .precision import _float_tensors
+from .replicas import fingerprints
 
 
 def _hashes(tensors: list) -> tuple:
-    from .stats import tensor_stats
-
-    ts = [_local(t).detach() for t in tensors]
-    return tuple(s.hash for s in tensor_stats(ts)) if ts else ()
+    return tuple(fingerprints([_local(t).detach() for t in tensors]))
 
 
 def _rng() -> tuple:

@@ -88,12 +88,9 @@ class _Pass:
             groups.setdefault((mn.device, mn.dtype), []).append(k)
         out = torch.empty(len(self.values), 2, dtype=torch.float64)
         for ks in groups.values():
-            pairs = torch.stack([torch.stack(self.values[k]) for k in ks]) if len(ks) < 2 else None
-            if pairs is None:
-                mins = torch.stack([self.values[k][0] for k in ks])
-                maxs = torch.stack([self.values[k][1] for k in ks])
-                pairs = torch.stack([mins, maxs], dim=1)
-            out[ks] = pairs.double().cpu()
+            mins = torch.stack([self.values[k][0] for k in ks])
+            maxs = torch.stack([self.values[k][1] for k in ks])
+            out[ks] = torch.stack([mins, maxs], dim=1).double().cpu()
         return out
 
 
@@ -103,7 +100,6 @@ class Provenance:
     def __init__(self, san, model: torch.nn.Module):
         self._san_ref = weakref.ref(san)  # the Sanitizer owns this object
         self._modules = [(n, m) for n, m in model.named_modules()]
-        self._names = {id(p): n for n, p in model.named_parameters()}
         self._handles: list = []
         self._forward: Optional[_Pass] = None
         self._backward: Optional[_Pass] = None
@@ -332,10 +328,6 @@ def _down32(v: float) -> float:
 
 def _up32(v: float) -> float:
     return _f32(_bits(v) + 1)
-
-
-def _down(v: float, dtype: torch.dtype) -> float:
-    return _down32(v) if dtype != torch.float64 else math.nextafter(v, 0.0)
 
 
 # name -> (largest finite, overflow midpoint, smallest normal, round-to-zero bound, scaled)

@@ -161,8 +161,9 @@ class _Event:
         self.fp: dict[int, tuple] = {}  # parameter index -> (hash, has_grad, grad hash)
 
 
-def _hashes(tensors: list) -> list[int]:
-    """Fingerprints of `tensors` (a host read: sampled steps only)."""
+def fingerprints(tensors: list) -> list[int]:
+    """The 64-bit fingerprints (TensorStats.hash, as int64) of `tensors`, in one fused pass and
+    one host read (the sampled steps of the replica comparison, the re-runs)."""
     if not tensors:
         return []
     ints, _ = torch.ops.trainsan.tensor_stats(tensors)
@@ -267,7 +268,7 @@ class ReplicaComparison:
 
     def _first_step(self) -> None:
         tensors = [_local(p).detach() for p in self._params]
-        hashes = _hashes(tensors)
+        hashes = fingerprints(tensors)
         ev = _Event(-1, 0, 0, False, self._forwards(), False, None, None, None, first=True)
         for i, h in enumerate(hashes):
             ev.fp[i] = (h, False, 0)
@@ -308,7 +309,7 @@ class ReplicaComparison:
             buffers = {}
             for s in self._sets:
                 if s.buffers:
-                    buffers[id(s)] = _hashes([b.detach() for _, b in s.buffers])
+                    buffers[id(s)] = fingerprints([b.detach() for _, b in s.buffers])
         self._fifo.append(_Event(opt, count, step, skipped, self._forwards(), due, grad_ok, state,
                                  buffers))
         self._pump()
@@ -379,7 +380,7 @@ class ReplicaComparison:
                         keys.append((i, k))
                         tensors.append(_local(v).detach())
         out: dict = {}
-        for (i, k), h in zip(keys, _hashes(tensors)):
+        for (i, k), h in zip(keys, fingerprints(tensors)):
             out[i] = _fold(out.get(i, 0xCBF29CE484222325), k, h)
         return out
 

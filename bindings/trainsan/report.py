@@ -205,12 +205,11 @@ def _headroom_cells(recs: list) -> dict:
     from .precision import FORMATS
 
     out = {}
+    counted = [r for r in recs if r["nonzero"]]
     for fmt in FORMATS:
         ovf = max(r[fmt][2] for r in recs)
-        zero = max(r[fmt][0] / r["nonzero"] for r in recs if r["nonzero"]) if any(
-            r["nonzero"] for r in recs) else 0.0
-        sub = max(r[fmt][1] / r["nonzero"] for r in recs if r["nonzero"]) if any(
-            r["nonzero"] for r in recs) else 0.0
+        zero = max((r[fmt][0] / r["nonzero"] for r in counted), default=0.0)
+        sub = max((r[fmt][1] / r["nonzero"] for r in counted), default=0.0)
         if ovf:
             out[fmt] = (False, f"OVERFLOW {ovf}")
         elif zero > HEADROOM_ZERO:

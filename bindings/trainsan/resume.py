@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ._patches import Patch, _open_sanitizers
+from .checkpoint import state_mismatches
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
 _REMEMBERED = 8  # torch.load results remembered
@@ -161,10 +162,6 @@ def _patches() -> list:
 
 resume_patch = Patch(_patches)
 
-_PER_ELEMENT = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                "grad_avg", "sum", "acc_delta", "ax", "prev", "step_size", "exp_inf", "mu_product"}
-
-
 def _stateful(opt: torch.optim.Optimizer) -> bool:
     """Whether the optimizer keeps state across steps (plain SGD does not)."""
     if type(opt) is torch.optim.SGD:
@@ -195,7 +192,7 @@ class ResumeWatch:
         return None
 
     def _send(self, moment: int, opt: int = -1, opt_type: str = "", prefix: str = "",
-              progress: str = "", ints=(0, 0, 0, 0, 0, 0, 0, 0), reals=(math.nan, math.nan),
+              progress: str = "", ints=(0, 0, 0, 0, 0, 0, 0), reals=(math.nan, math.nan),
               frozen=(), unoptimized=(), mismatched=()) -> None:
         san = self._san()
         if san is None:
@@ -221,7 +218,7 @@ class ResumeWatch:
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
                  and san._optimizers and id(params[k]) not in optimized]
-        self._send(0, prefix=prefix, ints=(matched, 0, 0, 0, 0, 0, 0, 0), frozen=frozen,
+        self._send(0, prefix=prefix, ints=(matched, 0, 0, 0, 0, 0, 0), frozen=frozen,
                    unoptimized=unopt)
 
     def optimizer_loaded(self, opt) -> None:
@@ -231,15 +228,8 @@ class ResumeWatch:
         self._restored.add(k)
         san = self._san()
         names = {id(p): n for n, p in san._model.named_parameters()}
-        bad = []
-        for pos, p in enumerate(p for g in opt.param_groups for p in g["params"]):
-            for key, v in (opt.state.get(p) or {}).items():
-                if (key in _PER_ELEMENT and isinstance(v, torch.Tensor)
-                        and tuple(v.shape) != tuple(p.shape)):
-                    bad.append(f"{key} of parameter {pos} ({names.get(id(p), '?')}): "
-                               f"[{', '.join(map(str, v.shape))}], the parameter "
-                               f"[{', '.join(map(str, p.shape))}]")
-                    break
+        params = [p for g in opt.param_groups for p in g["params"]]
+        bad = state_mismatches(params, [opt.state.get(p) for p in params], names)
         if bad:
             self._send(1, opt=k, opt_type=type(opt).__name__, mismatched=bad)
 
@@ -262,7 +252,7 @@ class ResumeWatch:
         lr = float(lr) if isinstance(lr, (int, float)) else math.nan
         sched_ok = k in self._sched_restored
         self._send(2, opt=k, opt_type=type(opt).__name__, progress=info.progress,
-                   ints=(0, with_state, info.scheduler_epoch, 1, int(info.has_optimizer_state),
+                   ints=(0, with_state, info.scheduler_epoch, int(info.has_optimizer_state),
                          int(k in self._restored), int(_stateful(opt)), int(sched_ok)),
                    reals=(lr, info.lr))
 

@@ -98,7 +98,6 @@ TEST(ResumeCheck, FirstStepRules) {
   f.moment = ResumeFacts::Moment::kFirstStep;
   f.opt = 0;
   f.optimizer_type = "AdamW";
-  f.checkpoint_known = true;
   f.stateful = true;
   f.progress = "epoch=5";
   c.on_resume(f, 0);  // fine-tuning from weights: no optimizer state in the checkpoint

@@ -28,7 +28,6 @@ struct ResumeFacts {
   // kOptimizerLoad
   std::vector<std::string> state_mismatched;  ///< "exp_avg of parameter 3 (fc.weight): ..."
   // kFirstStep
-  bool checkpoint_known = false;                ///< the model's state came from a torch.load seen
   bool checkpoint_has_optimizer_state = false;  ///< ...whose object holds a non-empty one
   bool optimizer_restored = false;   ///< optimizer.load_state_dict ran since the model's load
   bool stateful = false;             ///< the optimizer keeps state (its state fills on a step)
