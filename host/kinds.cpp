@@ -12,8 +12,8 @@ namespace trainsan {
 
 const std::vector<KindInfo>& kinds() {
   static const std::vector<KindInfo> table = {
-#define TRAINSAN_KIND(name, severity, on, family, rule) \
-  {Kind::name, #name, Severity::severity, on, #family, rule},
+#define TRAINSAN_KIND(name, severity, on, family, needs, libtorch, rule) \
+  {Kind::name, #name, Severity::severity, on, #family, #needs, libtorch, rule},
 #include "trainsan/kinds.def"
 #undef TRAINSAN_KIND
   };

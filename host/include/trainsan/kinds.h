@@ -12,7 +12,7 @@ namespace trainsan {
 enum class Severity : uint8_t { kError, kWarning };
 
 enum class Kind : uint8_t {
-#define TRAINSAN_KIND(name, severity, on, family, rule) name,
+#define TRAINSAN_KIND(name, severity, on, family, needs, libtorch, rule) name,
 #include "trainsan/kinds.def"
 #undef TRAINSAN_KIND
 };
@@ -24,7 +24,9 @@ struct KindInfo {
   Severity severity;
   bool default_on;  ///< false: opt-in
   const char* family;
-  const char* rule;  ///< one line: when it fires
+  const char* needs;     ///< step, forward, loss, audit, event or python (kinds.def)
+  const char* libtorch;  ///< how a LibTorch program gets it, or why it cannot (needs python)
+  const char* rule;      ///< one line: when it fires
 };
 
 /// Every implemented kind, in kinds.def order.
