@@ -1,7 +1,7 @@
 # Install rules (TRAINSAN_INSTALL): the C++ API for LibTorch programs, consumed with
 #
 #   find_package(trainsan CONFIG REQUIRED)   # CMAKE_PREFIX_PATH: python -c "import trainsan;
-#   target_link_libraries(app PRIVATE trainsan::trainsan)   #   print(trainsan.cmake_prefix_path)"
+#   trainsan_link(app)                       #   print(trainsan.cmake_prefix_path)"
 #
 # The library is the op library itself: libtrainsan_ops.so exports the whole public API
 # (trainsan::Sanitizer, tensor_stats, Options, ...; nm -DC shows it), so the wheel ships one
@@ -50,4 +50,5 @@ write_basic_package_version_file("${PROJECT_BINARY_DIR}/trainsanConfigVersion.cm
   COMPATIBILITY SameMinorVersion)
 install(FILES "${PROJECT_BINARY_DIR}/trainsanConfig.cmake"
               "${PROJECT_BINARY_DIR}/trainsanConfigVersion.cmake"
+              "${CMAKE_CURRENT_LIST_DIR}/TrainSanLink.cmake"
         DESTINATION ${TRAINSAN_INSTALL_CMAKEDIR})

@@ -210,6 +210,14 @@ bool GradTracker::any_produced() const {
   return false;
 }
 
+bool GradTracker::got_grad(int64_t opt) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].opt == opt && grad_[i].got_grad) return true;
+  }
+  return false;
+}
+
 void GradTracker::amp_skip(int64_t opt) {
   const std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < params_.size(); ++i) {

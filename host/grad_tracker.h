@@ -122,6 +122,9 @@ class GradTracker {
   bool as_backward_left(size_t i) const;
   /// Any gradient produced since the last manual boundary.
   bool any_produced() const;
+  /// Whether a parameter of optimizer `opt` got a gradient since that optimizer's last step (or
+  /// the scaler's skip of it).
+  bool got_grad(int64_t opt) const;
   /// The GradScaler skipped the step of optimizer `opt` on purpose (Inf/NaN found).
   void amp_skip(int64_t opt);
   /// Note [Zero gradients]: for the next `steps` steps, record at each accumulation whether the

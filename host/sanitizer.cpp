@@ -113,6 +113,71 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   }
   checks.mode.set_modules(std::move(modes));
   grads.install();
+  if (setup.binding) {
+    // Parameters in no optimizer (frozen parts) are not watched when there are optimizers: the
+    // forward is the one that reads what an optimizer trains.
+    std::vector<at::Tensor> ps;
+    std::vector<int64_t> groups;
+    for (const TrackedParam& p : params) {
+      if (have_optimizer && p.opt < 0) continue;
+      ps.push_back(p.param);
+      groups.push_back(p.opt);
+    }
+    watch = std::make_unique<ForwardWatch>(
+        ps, groups, [this](std::vector<at::Tensor> batch, int64_t opt) {
+          forward_seen(std::move(batch), have_optimizer ? opt : -1);
+        });
+    watch->arm();
+  }
+}
+
+// Note [C++ attach]'s forward: the watch saw the model's first op on a parameter and a batch.
+// Inside that op's dispatch: nothing here may throw into it (the findings are reported at the
+// next event, end_step).
+void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
+  if (closed) return;
+  const bool grad_enabled = at::GradMode::is_enabled();
+  check_updates_outside_step(-1);
+  ForwardFacts f;
+  f.training = setup.binding->training(opt);
+  f.module_eval = setup.binding->module_eval();
+  f.inputs = pending_inputs.empty() ? std::move(batch) : pending_inputs;
+  f.opt = opt;
+  if (grad_enabled) pending_inputs.clear();
+  forward(f);
+}
+
+void SanitizerImpl::end_iteration(bool backward_ran) {
+  if (closed) return;
+  const std::vector<int64_t> stepped = setup.binding->stepped();
+  std::set<int64_t> opts_of_params;
+  for (const TrackedParam& p : params) {
+    if (p.opt >= 0) opts_of_params.insert(p.opt);
+  }
+  for (const int64_t opt : opts_of_params) {
+    // Judged: an optimizer whose parameters changed in place (their versions moved), or got a
+    // gradient since its previous step that no scaler skip consumed (an update through .data(),
+    // as LibTorch's SGD makes, moves no version; a step that was forgotten is then "changed
+    // nothing"), or whose model's only forwards since its previous step ran under no_grad while
+    // a backward did run (its parameters got no gradient: Note [Mode rules]).
+    bool judge =
+        std::find(stepped.begin(), stepped.end(), opt) != stepped.end() || grads.got_grad(opt);
+    if (!judge && backward_ran) {
+      const auto [grad_now, no_grad_now] = forwards_for(opt);
+      const auto at = forwards_at_step[opt];
+      judge = no_grad_now > at.second && grad_now == at.first;
+    }
+    if (!judge) continue;
+    if (const auto resumed = setup.binding->first_step_after_load(opt)) {
+      events_seen.insert("optimizer_reset");
+      checks.resume.on_resume(*resumed, step);
+    }
+    const std::vector<double> lr = setup.binding->group_lr(opt);
+    const bool lr_zero =
+        !lr.empty() && std::all_of(lr.begin(), lr.end(), [](double v) { return v == 0.0; });
+    step_end(opt, lr_zero, /*manual=*/false, lr);
+  }
+  watch->arm();
 }
 
 void SanitizerImpl::forward(const ForwardFacts& facts) {
@@ -134,7 +199,10 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   if (grads.in_step()) return;
   audit->flush();  // a held-back broadcast_tensors no loss consumed: before this event's findings
   // Note [Mode rules]: forwards since each optimizer's previous step (StepView).
-  if (grad_enabled) {
+  if (facts.opt >= 0) {
+    auto& [g, ng] = forwards_of_opt[facts.opt];
+    (grad_enabled ? g : ng) += grad_enabled || training ? 1 : 0;
+  } else if (grad_enabled) {
     grad_forwards_total += 1;
   } else if (training) {
     no_grad_train_forwards_total += 1;
@@ -312,67 +380,78 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
   add_overhead(seconds_since(t0));
 }
 
+// Note [Coverage]: what each enabled kind needs comes from kinds.def's `needs` column; a kind
+// whose need never arrived is listed in `unchecked` with the reason. The `event` and `python`
+// kinds are listed only for a caller that does not gather their facts itself (a C++ program;
+// the Python package gathers them: Setup::gathers_events).
 Coverage SanitizerImpl::coverage_now() const {
   Coverage c = coverage;
   std::tie(c.audited_forwards, c.ops_audited) = audit->coverage();
-  auto unchecked = [&](const char* kind, const std::string& why) {
-    if (opts.enabled(kind)) c.unchecked.emplace_back(kind, why);
-  };
+  const bool attached = setup.binding != nullptr;
   const std::string no_forward =
-      "no training forward was seen: the model's forward hook never fired (submodules called "
-      "through .forward(x) instead of module(x), or the attached model is not the one trained; "
-      "LibTorch: call begin_step())";
+      attached ? "no training forward was seen: no op read a parameter of the model together with "
+                 "a batch while gradients were enabled (is the attached model the one trained?)"
+               : "no training forward was seen: the model's forward hook never fired (submodules "
+                 "called through .forward(x) instead of module(x), or the attached model is not "
+                 "the one trained; LibTorch: call begin_step(), or attach with trainsan::attach)";
   const std::string no_step =
-      "no optimizer step was seen (the optimizer passed to attach() never stepped; LibTorch: call "
-      "end_step())";
-  if (c.training_forwards == 0) {
-    for (const char* k : {"eval_mode", "duplicate_batch", "broadcast", "label_range",
-                          "batch_mismatch", "skipped_step"}) {
-      unchecked(k, no_forward);
-    }
-  } else {
-    if (c.inputs_fingerprinted == 0) {
-      unchecked("duplicate_batch",
-                "no training input could be fingerprinted (no tensor arguments, or sparse, nested "
-                "or meta inputs, or inputs on another device than the first)");
-    }
-    if (c.audited_forwards == 0) {
-      for (const char* k : {"broadcast", "label_range", "batch_mismatch"}) {
-        unchecked(k, "no training forward was audited (audit_first_steps/audit_every)");
+      attached ? "no optimizer step was seen (no parameter of an attached optimizer changed "
+                 "between two end_step() calls)"
+               : "no optimizer step was seen (the optimizer passed to attach() never stepped; "
+                 "LibTorch: call end_step())";
+  const std::string no_loss = "no loss was watched (san.watch_loss(loss), or san.end_step(loss))";
+  for (const KindInfo& k : kinds()) {
+    if (!opts.enabled(k.name)) continue;
+    const std::string needs = k.needs;
+    std::string why;
+    if (needs == "step") {
+      if (c.steps_checked == 0) {
+        why = no_step;
+      } else if (k.kind == Kind::update_ratio && c.update_steps == 0) {
+        why = opts.track_updates ? "no step had update statistics (Note [Overhead budget])"
+                                 : "track_updates=False";
+      } else if (k.kind == Kind::skipped_step && c.training_forwards == 0) {
+        why = no_forward;  // its rule runs at the next training forward
       }
-    } else if (c.ops_audited == 0) {
-      for (const char* k : {"broadcast", "label_range", "batch_mismatch"}) {
-        unchecked(k,
-                  "the audited forwards ran none of the ops these rules read (loss, "
-                  "class-index and broadcasting elementwise ops)");
+    } else if (needs == "forward") {
+      if (c.training_forwards == 0) {
+        why = no_forward;
+      } else if (k.kind == Kind::duplicate_batch && c.inputs_fingerprinted == 0) {
+        why =
+            "no training input could be fingerprinted (no tensor arguments, or sparse, nested or "
+            "meta inputs, or inputs on another device than the first)";
       }
+    } else if (needs == "audit") {
+      if (c.training_forwards == 0) {
+        why = no_forward;
+      } else if (c.audited_forwards == 0) {
+        why = "no training forward was audited (audit_first_steps/audit_every)";
+      } else if (c.ops_audited == 0) {
+        why =
+            "the audited forwards ran none of the ops these rules read (loss, class-index and "
+            "broadcasting elementwise ops)";
+      }
+    } else if (needs == "loss") {
+      if (c.losses_checked == 0) why = no_loss;
+    } else if (!setup.gathers_events && events_seen.count(k.name) == 0) {
+      why = needs == "python"
+                ? std::string("needs the Python package: ") + k.libtorch
+                : std::string("its facts never arrived (LibTorch: ") + k.libtorch + ")";
     }
-  }
-  if (c.losses_checked == 0) {
-    unchecked("nonfinite_loss", "no loss was watched (san.watch_loss(loss))");
-  }
-  if (c.steps_checked == 0) {
-    for (const char* k :
-         {"nonfinite_grad", "nonfinite_param", "grad_explosion", "grad_vanishing", "missing_grad",
-          "stale_grad", "param_not_in_optimizer", "update_ratio", "fp16_overflow"}) {
-      unchecked(k, no_step);
-    }
-  } else if (c.update_steps == 0) {
-    unchecked("update_ratio", opts.track_updates
-                                  ? "no step had update statistics (Note [Overhead budget])"
-                                  : "track_updates=False");
+    if (!why.empty()) c.unchecked.emplace_back(k.name, why);
   }
   return c;
 }
 
 void SanitizerImpl::close() {
   if (closed) return;
+  if (watch) watch->disarm();
   audit->close();
   readback.drain_all();
   grads.remove();
   closed = true;
   add_overhead(audit->take_overhead());
-  trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now());
+  write_summary();
   trace.close();
 }
 
@@ -399,11 +478,15 @@ Sanitizer::Sanitizer(std::vector<Parameter> parameters, Options options, Setup s
                                                   std::move(setup))) {}
 
 Sanitizer::~Sanitizer() {
+  if (!impl_) return;  // moved from
   try {
     impl_->close();
   } catch (...) {
   }
 }
+
+Sanitizer::Sanitizer(Sanitizer&&) noexcept = default;
+Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
 
 void Sanitizer::report() {
   impl_->add_overhead(impl_->audit->take_overhead());
@@ -416,6 +499,9 @@ void Sanitizer::report() {
     if (impl_->setup.report) {
       impl_->setup.report(f, a);
     } else if (a == Action::kRaise) {
+      // An uncaught error ends the program without unwinding (std::terminate): the trace gets
+      // its summary now (close() writes a later one if the program goes on; readers keep the last).
+      impl_->write_summary();
       throw TrainingBugError(f);
     } else if (a == Action::kWarn) {
       host::print_finding(f);
@@ -425,6 +511,13 @@ void Sanitizer::report() {
 
 void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
                            const std::vector<bool>& module_eval) {
+  if (impl_->watch) {
+    // trainsan::attach: the forward is seen by the watch, with its own grad mode and the modules'
+    // modes; these inputs are fingerprinted then.
+    impl_->pending_inputs = inputs;
+    impl_->watch->arm();
+    return;
+  }
   impl_->check_updates_outside_step(-1);
   report();
   forward(ForwardFacts{true, inputs, module_eval});
@@ -435,7 +528,32 @@ void Sanitizer::watch_loss(const at::Tensor& loss) {
   report();
 }
 
-void Sanitizer::end_step(bool lr_zero) { step_end(0, lr_zero); }
+void Sanitizer::end_step(bool lr_zero) {
+  if (!impl_->watch) {
+    step_end(0, lr_zero);
+    return;
+  }
+  impl_->end_iteration(/*backward_ran=*/false);
+  report();
+}
+
+void Sanitizer::end_step(const at::Tensor& loss) { end_step(std::vector<at::Tensor>{loss}); }
+
+void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
+  if (impl_->closed) return;
+  bool backward_ran = false;
+  for (const at::Tensor& loss : losses) {
+    if (!loss.defined()) continue;
+    impl_->loss(loss);
+    backward_ran = backward_ran || loss.requires_grad();
+  }
+  if (impl_->watch) {
+    impl_->end_iteration(backward_ran);
+  } else {
+    impl_->step_end(0, /*lr_zero=*/false, /*manual=*/false);
+  }
+  report();
+}
 
 void Sanitizer::forward(const ForwardFacts& facts) {
   impl_->forward(facts);
@@ -472,6 +590,7 @@ void Sanitizer::amp_skip(int64_t opt) {
 
 void Sanitizer::scaler_step(const ScalerStep& step) {
   if (impl_->closed) return;
+  impl_->events_seen.insert("amp_scale_collapse");
   impl_->scaler_step(step);
   report();
 }
@@ -509,6 +628,7 @@ void Sanitizer::grad_accumulated(int64_t index) {
 }
 
 void Sanitizer::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs) {
+  impl_->events_seen.insert("nonfinite_activation");
   impl_->module_output(module, outputs);
   report();
 }
@@ -528,6 +648,7 @@ void Sanitizer::saved_tensor_changed(const SavedTensorChange& change) {
 }
 
 void Sanitizer::custom_grad_result(const CustomGradResult& result) {
+  impl_->events_seen.insert("bad_custom_grad");
   if (!impl_->closed) impl_->checks.autograd.on_custom_grad(result, impl_->step);
   report();
 }
@@ -542,6 +663,7 @@ std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
 }
 
 void Sanitizer::replica_report(const ReplicaReport& r) {
+  impl_->events_seen.insert("rank_desync");
   if (!impl_->closed) impl_->checks.replicas.on_report(r);
   report();
 }
@@ -558,6 +680,7 @@ std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts) {
 
 void Sanitizer::checkpoint(const CheckpointFacts& facts) {
   if (impl_->closed) return;
+  impl_->events_seen.insert("bad_checkpoint");
   impl_->checks.checkpoint.on_checkpoint(facts, impl_->step);
   report();
 }
@@ -569,6 +692,7 @@ bool Sanitizer::rerun_due() const {
 
 void Sanitizer::rerun_result(const RerunFacts& facts) {
   if (impl_->closed) return;
+  impl_->events_seen.insert("nondeterminism");
   impl_->checks.determinism.on_rerun(facts, impl_->step);
   report();
 }
@@ -580,6 +704,7 @@ void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
 
 void Sanitizer::resume(const ResumeFacts& facts) {
   if (impl_->closed) return;
+  impl_->events_seen.insert("optimizer_reset");
   if (facts.moment == ResumeFacts::Moment::kModelLoad) impl_->checks.inputs.on_resume(impl_->step);
   impl_->checks.resume.on_resume(facts, impl_->step);
   report();
@@ -624,5 +749,7 @@ bool Sanitizer::auditing() const { return impl_->audit->auditing(); }
 void Sanitizer::pause_audit(bool paused) { host::OpAudit::pause_this_thread(paused); }
 
 Coverage Sanitizer::coverage() const { return impl_->coverage_now(); }
+
+ModelBinding* Sanitizer::binding() const { return impl_->setup.binding.get(); }
 
 }  // namespace trainsan

@@ -9,12 +9,14 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "audit.h"
 #include "checks/check.h"
 #include "findings.h"
+#include "forward_watch.h"
 #include "grad_tracker.h"
 #include "overhead_budget.h"
 #include "readback.h"
@@ -44,6 +46,11 @@ struct SanitizerImpl {
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
   void scaler_step(const ScalerStep& s);
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
+  // trainsan::attach (Setup::binding; Note [C++ attach] in attach.cpp): a forward seen by the
+  // watch, and the end of an iteration (each optimizer whose step ran is judged).
+  void forward_seen(std::vector<at::Tensor> batch, int64_t opt);
+  void end_iteration(bool backward_ran);
+  void write_summary() { trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now()); }
   void close();
   Coverage coverage_now() const;
 
@@ -94,9 +101,17 @@ struct SanitizerImpl {
   // grad enabled and under no_grad in train mode, and their totals at each optimizer's last step.
   bool current_model_eval = false;
   std::vector<size_t> current_eval_modules;
+  // Forwards of ForwardFacts::opt -1 count for every optimizer, the others for theirs.
   int64_t grad_forwards_total = 0;
   int64_t no_grad_train_forwards_total = 0;
+  std::map<int64_t, std::pair<int64_t, int64_t>> forwards_of_opt;   // opt -> (grad, no_grad)
   std::map<int64_t, std::pair<int64_t, int64_t>> forwards_at_step;  // opt -> (grad, no_grad)
+  /// (grad, no_grad train) forwards so far that count for optimizer `opt`.
+  std::pair<int64_t, int64_t> forwards_for(int64_t opt) const {
+    const auto it = forwards_of_opt.find(opt);
+    const auto own = it == forwards_of_opt.end() ? std::pair<int64_t, int64_t>{0, 0} : it->second;
+    return {grad_forwards_total + own.first, no_grad_train_forwards_total + own.second};
+  }
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
   std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint
@@ -110,8 +125,15 @@ struct SanitizerImpl {
   double overhead_s = 0.0;       // total measured
   double step_overhead_s = 0.0;  // since the last step record
 
-  // Last member: destroyed first, so the observer never sees a half-gone sanitizer.
+  // The kinds of kinds.def whose `event` arrived at least once (coverage: an event kind that
+  // never had its event is unchecked, for a caller that does not gather them itself).
+  std::set<std::string> events_seen;
+  // trainsan::attach: begin_step()'s inputs, for the forward the watch sees next.
+  std::vector<at::Tensor> pending_inputs;
+
+  // Last members: destroyed first, so no observer sees a half-gone sanitizer.
   std::unique_ptr<OpAudit> audit;
+  std::unique_ptr<ForwardWatch> watch;  // with Setup::binding
 };
 
 }  // namespace trainsan::host

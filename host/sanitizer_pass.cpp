@@ -154,11 +154,13 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   p->model_eval = current_model_eval;
   p->eval_modules = current_eval_modules;
   {
-    auto& [grad_at, no_grad_at] = forwards_at_step[manual ? -1 : opt];
-    p->grad_forwards = grad_forwards_total - grad_at;
-    p->no_grad_train_forwards = no_grad_train_forwards_total - no_grad_at;
-    grad_at = grad_forwards_total;
-    no_grad_at = no_grad_train_forwards_total;
+    const int64_t key = manual ? -1 : opt;
+    auto& [grad_at, no_grad_at] = forwards_at_step[key];
+    const auto [grad_now, no_grad_now] = forwards_for(key);
+    p->grad_forwards = grad_now - grad_at;
+    p->no_grad_train_forwards = no_grad_now - no_grad_at;
+    grad_at = grad_now;
+    no_grad_at = no_grad_now;
   }
   for (size_t i = 0; i < params.size(); ++i) {
     // A step covers its optimizer's parameters and those in no optimizer

@@ -1,11 +1,16 @@
 // JSON Lines trace records.
 #include "trace.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
+#include <torch/version.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -60,6 +65,27 @@ namespace {
 
 std::string opt_number(const std::optional<double>& v) { return v ? json_number(*v) : "null"; }
 
+// The header fields the Python package writes (its header_extra), for a C++ program: versions,
+// command line, working directory, seed and determinism settings.
+std::string cpp_header_fields() {
+  std::ostringstream os;
+  os << "\"torch\":" << json_escape(TORCH_VERSION) << ",\"argv\":[";
+  std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
+  std::string arg;
+  bool first = true;
+  while (std::getline(cmdline, arg, '\0')) {
+    os << (first ? "" : ",") << json_escape(arg);
+    first = false;
+  }
+  os << "]";
+  char cwd[4096];
+  if (getcwd(cwd, sizeof(cwd)) != nullptr) os << ",\"cwd\":" << json_escape(cwd);
+  os << ",\"seed\":" << at::detail::getDefaultCPUGenerator().current_seed()
+     << ",\"deterministic_algorithms\":"
+     << (at::globalContext().deterministicAlgorithms() ? "true" : "false");
+  return os.str();
+}
+
 }  // namespace
 
 std::string stats_json(const TensorStats& st) {
@@ -84,6 +110,8 @@ TraceWriter::TraceWriter(const Options& opts, const std::string& extra, size_t n
      << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
      << ",\"options\":" << opts.to_json();
   if (!extra.empty()) os << "," << extra;
+  // No "torch" field from the caller (the Python package writes its own): a C++ program.
+  if (extra.find("\"torch\":") == std::string::npos) os << "," << cpp_header_fields();
   os << "}";
   line(os.str());
 }

@@ -9,7 +9,7 @@ if(PREFIX)
 else()
   # Run in the test's build directory: `import trainsan` finds the installed package, not bindings/.
   execute_process(
-    COMMAND "${PYTHON}" -c "import sys, torch, trainsan; sys.stdout.write(';'.join([trainsan.cmake_prefix_path, torch.utils.cmake_prefix_path]))"
+    COMMAND "${PYTHON}" -c "import sys, trainsan; sys.stdout.write(trainsan.cmake_prefix_path)"
     OUTPUT_VARIABLE prefix_path
     ERROR_VARIABLE err
     RESULT_VARIABLE rc)

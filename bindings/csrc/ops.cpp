@@ -172,6 +172,7 @@ struct SanitizerHandle : torch::CustomClassHolder {
                     i < external.size() && external[i] != 0});
     }
     trainsan::Setup setup;
+    setup.gathers_events = true;  // the Python package gathers the event and python kinds' facts
     // Per module: how many of module_params (flat) are its own, and whether its forward depends on
     // train/eval (empty: none given, every module mode-dependent and tied to every parameter).
     TORCH_CHECK_VALUE(

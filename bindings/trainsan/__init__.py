@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from .sanitizer import (
     KINDS,
     OPTIONS,
@@ -52,9 +54,13 @@ def _version() -> str:
 __version__ = _version()
 
 #: Where CMake finds the installed C++ API (``find_package(trainsan CONFIG)``, target
-#: ``trainsan::trainsan``): pass it in ``CMAKE_PREFIX_PATH``, as torch.utils.cmake_prefix_path.
-cmake_prefix_path: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share",
-                                      "cmake")
+#: ``trainsan::trainsan``) and the torch it was built with: pass it as ``CMAKE_PREFIX_PATH``. It
+#: holds both prefixes (";"-separated), so a project that calls ``find_package(Torch)`` before
+#: ``find_package(trainsan)`` finds torch from it too.
+cmake_prefix_path: str = ";".join([
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "share", "cmake"),
+    torch.utils.cmake_prefix_path,
+])
 
 __all__ = [
     "CheckpointReport",

@@ -55,6 +55,27 @@ struct ModuleInfo {
   bool mode_dependent = true;
 };
 
+/// What the sanitizer reads of a model and its optimizers at each forward and step:
+/// trainsan::attach (trainsan/attach.h) implements it over torch::nn::Module and
+/// torch::optim::Optimizer (Note [C++ attach] in host/attach.cpp). With one in Setup::binding, the
+/// sanitizer sees the forward itself (its first op reading a parameter together with a batch) and
+/// end_step() judges each optimizer whose step ran.
+struct ModelBinding {
+  virtual ~ModelBinding() = default;
+  /// The train/eval flag now of the model that optimizer `opt` trains (-1: the first model).
+  virtual bool training(int64_t opt) const = 0;
+  /// Per Setup::mode_modules: true when that module is in eval mode now.
+  virtual std::vector<bool> module_eval() const = 0;
+  /// The optimizers whose step ran since the previous call (their parameters changed in place:
+  /// the version counters moved), in index order.
+  virtual std::vector<int64_t> stepped() = 0;
+  /// The learning rate of each param group of optimizer `opt` now (NaN where unknown).
+  virtual std::vector<double> group_lr(int64_t opt) const = 0;
+  /// The resume facts of optimizer `opt` at its first step after a model load that the binding
+  /// saw (trainsan::load), asked just before that step is judged; nothing otherwise.
+  virtual std::optional<ResumeFacts> first_step_after_load(int64_t /*opt*/) { return std::nullopt; }
+};
+
 /// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
 struct Setup {
   /// Modules whose train/eval mode matters, registered once (Note [Mode rules]): those whose
@@ -70,8 +91,15 @@ struct Setup {
   /// are skipped (the framework's and TrainSan's own files), so the finding names the user's line.
   std::vector<std::string> skip_frames;
   /// Receives each new finding with the policy's answer, at the end of the event that found it.
-  /// Default: throw TrainingBugError for Action::kRaise, print to stderr for Action::kWarn.
+  /// Default: throw TrainingBugError for Action::kRaise (after completing the trace's summary, so
+  /// that an uncaught error still leaves a complete trace), print to stderr for Action::kWarn.
   std::function<void(const Finding&, Action)> report;
+  /// The model and optimizers, read at each forward and step (trainsan::attach sets it).
+  std::shared_ptr<ModelBinding> binding;
+  /// The caller gathers the facts of the `event` and `python` kinds of kinds.def itself (the
+  /// Python package): coverage() leaves them out of `unchecked`. False for a C++ program, whose
+  /// coverage names each of those kinds that never had its event.
+  bool gathers_events = false;
 };
 
 /// Facts of one forward of the model. Grad mode and autocast are read by the sanitizer itself.
@@ -82,6 +110,9 @@ struct ForwardFacts {
   /// How many times so far a data loader was iterated anew after its previous iterator had
   /// yielded only its first batch of several (duplicate_batch; the Python package counts them).
   int64_t data_restarts = 0;
+  /// The optimizer whose parameters this forward read (a GAN's generator or discriminator), so
+  /// that the mode rules count it for that optimizer only; -1: every optimizer of the model.
+  int64_t opt = -1;
 };
 
 namespace host {
@@ -115,6 +146,8 @@ class Sanitizer {
   ~Sanitizer();
   Sanitizer(const Sanitizer&) = delete;
   Sanitizer& operator=(const Sanitizer&) = delete;
+  Sanitizer(Sanitizer&&) noexcept;
+  Sanitizer& operator=(Sanitizer&&) noexcept;
 
   // --- a LibTorch loop ---
   /// Start of a training step, before the forward: update_outside_step, then forward() with
@@ -127,8 +160,15 @@ class Sanitizer {
   /// counts): fingerprinted for the trace's step record ("targets"), read back asynchronously.
   void loss_targets(const std::vector<at::Tensor>& targets);
   /// After optimizer.step(): step_end(0, lr_zero). `lr_zero` says the step ran with learning
-  /// rate 0 (warm-up), so "no change" is fine.
+  /// rate 0 (warm-up), so "no change" is fine. Attached with trainsan::attach: each optimizer
+  /// whose step ran since the previous end_step is judged, with its groups' learning rates.
   void end_step(bool lr_zero = false);
+  /// watch_loss(loss) (when defined), then end_step(): the one call per iteration of a loop
+  /// attached with trainsan::attach. A loss scaler that skipped the step reports
+  /// scaler_step({opt, true, scale}) before it: the skip is not a skipped_step.
+  void end_step(const at::Tensor& loss);
+  /// The same with every loss of the iteration (a GAN's discriminator and generator losses).
+  void end_step(const std::vector<at::Tensor>& losses);
 
   // --- the full event vocabulary (what the Python package's hooks call) ---
   /// A forward of the model (training or not).
@@ -226,6 +266,8 @@ class Sanitizer {
   bool auditing() const;
   /// What was checked so far, and which enabled checks never had what they need.
   Coverage coverage() const;
+  /// Setup::binding (trainsan::attach's); null without one.
+  ModelBinding* binding() const;
 
  private:
   template <typename OrderedDict>

@@ -1,6 +1,8 @@
-// TrainSan's public C++ API: the fused statistics pass and the training-loop sanitizer.
+// TrainSan's public C++ API: the fused statistics pass, the training-loop sanitizer and its
+// one-line front door (trainsan::attach).
 #pragma once
 
+#include "trainsan/attach.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"

@@ -1,0 +1,269 @@
+// trainsan::attach, the one-line C++ front door (Note [C++ attach] in host/attach.cpp): names,
+// optimizers, groups and mode modules found from the model; the forward seen at its first op on a
+// parameter (grad mode there, not at a begin_step); steps seen from the version counters.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "trainsan/trainsan.h"
+
+namespace {
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    drop = register_module("drop", torch::nn::Dropout(0.1));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(drop(torch::relu(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+trainsan::Options record() {
+  trainsan::Options o;
+  o.policy = "record";
+  return o;
+}
+
+std::string dump(const trainsan::Sanitizer& san) {
+  std::string out;
+  for (const auto& f : san.findings())
+    out += f.kind + " @" + std::to_string(f.step) + ": " + f.message + "\n";
+  return out;
+}
+
+std::set<std::string> kinds(const trainsan::Sanitizer& san) {
+  std::set<std::string> out;
+  for (const auto& f : san.findings()) out.insert(f.kind);
+  return out;
+}
+
+torch::Tensor step(Net& net, torch::optim::Optimizer& opt, int i) {
+  torch::manual_seed(100 + i);
+  auto x = torch::randn({32, 8});
+  auto y = torch::randint(0, 3, {32});
+  opt.zero_grad();
+  auto loss = torch::nn::functional::cross_entropy(net.forward(x), y);
+  loss.backward();
+  opt.step();
+  return loss;
+}
+
+TEST(Attach, CleanLoopIsSilentAndCovered) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::Adam opt(net.parameters(), torch::optim::AdamOptions(1e-3));
+  auto san = trainsan::attach(net, opt, record());
+  for (int i = 0; i < 6; ++i) san.end_step(step(net, opt, i));
+  const trainsan::Coverage c = san.coverage();
+  san.close();
+  EXPECT_TRUE(san.findings().empty()) << san.findings()[0].message;
+  EXPECT_EQ(c.steps_checked, 6);
+  EXPECT_EQ(c.training_forwards, 6);
+  EXPECT_EQ(c.losses_checked, 6);
+  EXPECT_EQ(c.inputs_fingerprinted, 6);
+  // A C++ program gathers no checkpoint, re-run or replica facts here: coverage says so.
+  std::set<std::string> unchecked;
+  for (const auto& [kind, why] : c.unchecked) unchecked.insert(kind);
+  EXPECT_TRUE(unchecked.count("bad_checkpoint"));
+  EXPECT_TRUE(unchecked.count("inplace_before_backward"));
+  EXPECT_FALSE(unchecked.count("nonfinite_grad"));
+  EXPECT_FALSE(unchecked.count("duplicate_batch"));
+  EXPECT_FALSE(unchecked.count("broadcast"));
+  EXPECT_FALSE(unchecked.count("eval_mode"));
+  const auto stats = san.last_stats();
+  EXPECT_TRUE(stats.count("fc1.weight.grad"));
+}
+
+TEST(Attach, ForwardUnderNoGradGuardIsFoundAtTheForward) {
+  // begin_step is outside the guard in the long form; here nothing but the forward itself says.
+  torch::manual_seed(0);
+  Net net;
+  auto head = torch::nn::Linear(3, 3);
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  torch::optim::SGD head_opt(head->parameters(), 0.1);
+  auto san = trainsan::attach({{"net", net, opt}, {"head", *head, head_opt}}, record());
+  for (int i = 0; i < 4; ++i) {
+    auto x = torch::randn({16, 8});
+    opt.zero_grad();
+    head_opt.zero_grad();
+    torch::Tensor features;
+    {
+      torch::NoGradGuard no_grad;
+      features = net.forward(x);
+    }
+    auto loss = head->forward(features).pow(2).mean();
+    loss.backward();
+    opt.step();
+    head_opt.step();
+    san.end_step(loss);
+  }
+  san.close();
+  const auto fs = san.findings();
+  const auto it = std::find_if(fs.begin(), fs.end(), [](const trainsan::Finding& f) {
+    return f.kind == "no_grad_leak" && f.severity == "error";
+  });
+  ASSERT_NE(it, fs.end()) << (fs.empty() ? "no finding" : fs[0].kind);
+  EXPECT_NE(it->message.find("net."), std::string::npos) << it->message;
+}
+
+TEST(Attach, PartialOptimizerIsNotASkippedStep) {
+  // The short constructor put every parameter in optimizer 0; attach reads the optimizer: fc1 is
+  // trained, fc2 is in no optimizer (param_not_in_optimizer, not skipped_step).
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.fc1->parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  for (int i = 0; i < 4; ++i) san.end_step(step(net, opt, i));
+  san.close();
+  const auto k = kinds(san);
+  EXPECT_TRUE(k.count("param_not_in_optimizer")) << dump(san);
+  EXPECT_FALSE(k.count("skipped_step")) << dump(san);
+}
+
+TEST(Attach, EvalModeIsReadAtTheForward) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  net.drop->eval();  // left in eval mode
+  for (int i = 0; i < 3; ++i) san.end_step(step(net, opt, i));
+  san.close();
+  const auto fs = san.findings();
+  const auto it = std::find_if(fs.begin(), fs.end(),
+                               [](const trainsan::Finding& f) { return f.kind == "eval_mode"; });
+  ASSERT_NE(it, fs.end()) << dump(san) << san.coverage().training_forwards;
+  EXPECT_EQ(it->tensor, "drop");
+}
+
+TEST(Attach, ScalerSkipIsNotASkippedStep) {
+  // A hand-written loss scaler found Inf in the gradients and skipped optimizer.step(): it says
+  // so with scaler_step before end_step (docs/cpp.md, "Loss scalers").
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  for (int i = 0; i < 6; ++i) {
+    torch::manual_seed(100 + i);
+    auto x = torch::randn({32, 8});
+    auto y = torch::randint(0, 3, {32});
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net.forward(x), y);
+    loss.backward();
+    const bool skip = i == 2;
+    if (skip) {
+      san.scaler_step({0, /*skipped=*/true, 65536.0});
+    } else {
+      opt.step();
+      san.scaler_step({0, /*skipped=*/false, 65536.0});
+    }
+    san.end_step(loss);
+  }
+  san.close();
+  const auto k = kinds(san);
+  EXPECT_FALSE(k.count("skipped_step")) << dump(san);
+  EXPECT_FALSE(k.count("stale_grad")) << dump(san);
+}
+
+TEST(Attach, ForgottenStepIsFound) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  for (int i = 0; i < 4; ++i) {
+    auto x = torch::randn({32, 8});
+    opt.zero_grad();
+    auto loss = net.forward(x).pow(2).mean();
+    loss.backward();
+    san.end_step(loss);  // optimizer.step() forgotten
+  }
+  san.close();
+  EXPECT_TRUE(kinds(san).count("skipped_step"));
+}
+
+TEST(Attach, RaiseCompletesTheTraceBeforeThrowing) {
+  const std::string path = ::testing::TempDir() + "trainsan_attach_raise.jsonl";
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  trainsan::Options o;
+  o.trace = path;
+  auto san = trainsan::attach(net, opt, o);
+  bool raised = false;
+  try {
+    for (int i = 0; i < 4; ++i) {
+      auto x = torch::randn({32, 8});
+      auto loss = net.forward(x).pow(2).mean();  // no zero_grad: stale_grad
+      loss.backward();
+      opt.step();
+      san.end_step(loss);
+    }
+  } catch (const trainsan::TrainingBugError& e) {
+    raised = true;
+  }
+  EXPECT_TRUE(raised) << dump(san);
+  std::ifstream in(path);
+  std::string line, all;
+  while (std::getline(in, line)) all += line + "\n";
+  EXPECT_NE(all.find("\"type\":\"summary\""), std::string::npos);
+  EXPECT_NE(all.find("\"torch\":"), std::string::npos);
+  EXPECT_NE(all.find("\"seed\":"), std::string::npos);
+  EXPECT_NE(all.find("\"argv\":"), std::string::npos);
+}
+
+TEST(Attach, OptionsFromTheEnvironment) {
+  ::setenv("TRAINSAN_OPTIONS", "policy=record,check.stale_grad=false", 1);
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt);  // policy raise in code, record from the environment
+  ::unsetenv("TRAINSAN_OPTIONS");
+  for (int i = 0; i < 3; ++i) {
+    auto loss = net.forward(torch::randn({8, 8})).pow(2).mean();
+    loss.backward();
+    opt.step();
+    EXPECT_NO_THROW(san.end_step(loss));
+  }
+  EXPECT_FALSE(kinds(san).count("stale_grad"));
+  ::setenv("TRAINSAN_OPTIONS", "policy", 1);
+  EXPECT_THROW(trainsan::attach(net, opt), c10::Error);
+  ::unsetenv("TRAINSAN_OPTIONS");
+}
+
+TEST(Attach, ClearErrors) {
+  Net net;
+  auto other = torch::nn::Linear(2, 2);
+  torch::optim::SGD foreign(other->parameters(), 0.1);
+  try {
+    auto san = trainsan::attach(net, foreign);
+    FAIL() << "an optimizer over another model's parameters was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a parameter of the model"), std::string::npos);
+  }
+}
+
+TEST(Attach, HooksRemovedAtClose) {
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  EXPECT_TRUE(san.hooks_installed());
+  auto moved = std::move(san);
+  EXPECT_TRUE(moved.hooks_installed());
+  moved.close();
+  EXPECT_FALSE(moved.hooks_installed());
+  // After close, training goes on untouched and nothing is observed.
+  auto loss = net.forward(torch::randn({4, 8})).sum();
+  loss.backward();
+  opt.step();
+  moved.end_step(loss);
+  EXPECT_EQ(moved.coverage().training_forwards, 0);
+}
+
+}  // namespace
