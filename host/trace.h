@@ -1,4 +1,4 @@
-// The JSON Lines trace (../shared/DESIGN.md, "Trace"): a writer of plain records. It knows no
+// The JSON Lines trace (docs/trace.md): a writer of plain records. It knows no
 // sanitizer state: the sanitizer hands it a StepRecord and findings.
 #pragma once
 

@@ -1,7 +1,7 @@
 """TrainSan: a sanitizer for PyTorch training loops.
 
 ``trainsan.tensor_stats(tensors)`` computes, in one fused pass, the statistics every check needs
-(NaN/Inf counts, norms, fingerprints) for many tensors at once; see ``shared/DESIGN.md``.
+(NaN/Inf counts, norms, fingerprints) for many tensors at once; see ``docs/statistics.md``.
 """
 
 from __future__ import annotations

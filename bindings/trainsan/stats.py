@@ -32,7 +32,7 @@ _SUPPORTED = (
 
 @dataclasses.dataclass(frozen=True)
 class TensorStats:
-    """Statistics of one tensor (see ``shared/DESIGN.md``).
+    """Statistics of one tensor (see ``docs/statistics.md``).
 
     Attributes
     ----------

@@ -1,7 +1,7 @@
 // The torch-free check families on synthetic step views (host/checks/): the global figures, the
 // non-finite, mode and input rules. Magnitudes and step integrity are in test_checks_step.cpp,
 // gradient flow in test_checks_flow.cpp; thresholds are pinned at their edges. Messages are
-// compared in full: they are part of the contract (../shared/DESIGN.md).
+// compared in full: they are part of the contract (docs/kinds.md).
 #include <gtest/gtest.h>
 
 #include <cmath>

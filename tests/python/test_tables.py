@@ -8,7 +8,8 @@ import torch
 
 import trainsan
 
-# shared/DESIGN.md, "Finding kinds": the kinds implemented today and their severities.
+# docs/architecture.md ("Public contracts"; the kinds: docs/kinds.md): the kinds implemented today
+# and their severities.
 IMPLEMENTED = {
     "nonfinite_loss": "error",
     "nonfinite_grad": "error",
@@ -41,7 +42,7 @@ IMPLEMENTED = {
     "trivial_loss": "warning",
     "rank_desync": "error",
 }
-UNIMPLEMENTED: list = []  # every kind of DESIGN.md has a row
+UNIMPLEMENTED: list = []  # every kind of the design (docs/architecture.md) has a row
 
 
 def _setup():
@@ -101,7 +102,7 @@ def test_dead_option_is_a_type_error():
 
 
 def test_every_design_kind_is_implemented():
-    # Every kind of shared/DESIGN.md's table has a row (issue 13 added the last ones).
+    # Every kind of the design (docs/architecture.md) has a row (issue 13 added the last ones).
     assert UNIMPLEMENTED == []
     for kind in ("nondeterminism", "bad_checkpoint", "optimizer_reset", "amp_scale_collapse",
                  "update_underflow", "low_precision_loss", "rank_desync"):

@@ -9,7 +9,7 @@
 
 namespace trainsan {
 
-/// One thing TrainSan found wrong (../shared/DESIGN.md, "Finding kinds").
+/// One thing TrainSan found wrong (docs/kinds.md).
 struct Finding {
   std::string kind;             ///< e.g. "stale_grad" (kinds.def)
   int64_t step = 0;             ///< 0-based optimizer step where it was first seen

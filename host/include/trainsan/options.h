@@ -9,8 +9,8 @@
 namespace trainsan {
 
 /// Options of a Sanitizer. Every check is on by default except the opt-in kinds of kinds.def
-/// (nonfinite_activation, update_outside_step). Thresholds and their rules are documented in the
-/// README ("Checks and their options").
+/// (nonfinite_activation, update_outside_step). Thresholds and their rules are documented in
+/// docs/options.md.
 struct Options {
 #define TRAINSAN_OPTION_STR(name, def, choices, doc) std::string name = def;
 #define TRAINSAN_OPTION_INT(name, def, min, doc) int64_t name = def;

@@ -8,7 +8,7 @@
 
 namespace trainsan {
 
-/// Statistics of one tensor, computed in one fused pass (see ../shared/DESIGN.md).
+/// Statistics of one tensor, computed in one fused pass (see docs/statistics.md).
 ///
 /// Counts are exact. `min`, `max`, `absmax`, `sum` and `l2` cover the finite elements only, so one
 /// NaN does not hide the rest; `min`, `max` and `absmax` are empty when no element is finite,
