@@ -3,8 +3,10 @@
 #include "source_location.h"
 
 #include <torch/csrc/profiler/combined_traceback.h>
+#include <torch/csrc/profiler/unwind/unwind.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <string_view>
@@ -30,16 +32,61 @@ std::string basename(const std::string& f) {
   return k == std::string::npos ? f : f.substr(k + 1);
 }
 
+// Libraries whose frames are not the user's: torch's, TrainSan's, the C and C++ runtimes.
+bool system_library(const std::string& path) {
+  for (const char* lib :
+       {"libtorch", "libc10", "libtrainsan", "/libc.so", "libc-", "libstdc++", "ld-linux",
+        "libgomp", "libcudart", "libpthread", "libgcc_s", "libpython", "/bin/python"}) {
+    if (path.find(lib) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// A LibTorch program (no Python frame): the innermost frame of the program's own code, its
+// function and, where the program has debug information, file and line (one addr2line run).
+Source cpp_source() {
+  Source s;
+  try {
+    for (void* pc : torch::unwind::unwind()) {
+      const auto lib = torch::unwind::libraryFor(pc);
+      if (!lib || system_library(lib->first)) continue;
+      const std::vector<torch::unwind::Frame> fs =
+          torch::unwind::symbolize({pc}, torch::unwind::Mode::addr2line);
+      const std::string func = fs.empty() || fs[0].funcname.empty() || fs[0].funcname == "??"
+                                   ? std::string()
+                                   : fs[0].funcname;
+      const bool lined =
+          !fs.empty() && fs[0].lineno > 0 && fs[0].filename != "??" && !fs[0].filename.empty();
+      if (lined) {
+        s.file = basename(fs[0].filename) + ":" + std::to_string(fs[0].lineno);
+        s.where = fs[0].filename + ":" + std::to_string(fs[0].lineno);
+      } else {
+        char off[32];
+        std::snprintf(off, sizeof(off), "+0x%llx", static_cast<unsigned long long>(lib->second));
+        s.file = basename(lib->first) + off;
+        s.where = lib->first + off;
+      }
+      if (!func.empty()) s.where += " in " + func;
+      break;
+    }
+  } catch (const std::exception&) {
+    // no unwinder for this platform or build: the message goes without a source line
+  }
+  return s;
+}
+
 }  // namespace
 
 Source python_source(const std::vector<std::string>& skip) {
   Source s;
+  bool python = false;  // some Python frame is on the stack: not a LibTorch program
   try {
     const std::shared_ptr<torch::CapturedTraceback> tb =
         torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
-    if (!tb) return s;
+    if (!tb) return cpp_source();
     const torch::SymbolizedTracebacks st = torch::symbolize({tb.get()});
-    if (st.tracebacks.empty()) return s;
+    if (st.tracebacks.empty()) return cpp_source();
+    python = !st.tracebacks[0].empty();
     for (const uint64_t k : st.tracebacks[0]) {  // innermost frame first
       const torch::unwind::Frame& f = st.all_frames.at(k);
       if (skipped(f.filename, skip)) {
@@ -55,6 +102,7 @@ Source python_source(const std::vector<std::string>& skip) {
   } catch (const std::exception&) {
     // no Python, or a frame that cannot be symbolised: the message goes without a source line
   }
+  if (!python) s = cpp_source();
   return s;
 }
 

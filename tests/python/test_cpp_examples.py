@@ -99,6 +99,13 @@ def test_planted_bugs_are_found(built, tmp_path, name, bug, kind):
     assert kind in kinds, (kinds, r.stderr[-2000:])
 
 
+def test_op_audit_names_the_programs_frame(built, tmp_path):
+    # No Python frame in a LibTorch program: the finding names the program's own frame.
+    _, records = _run(built["regression"], tmp_path, "broadcast")
+    msg = [f["message"] for f in _findings(records) if f["kind"] == "broadcast"][0]
+    assert "regression" in msg and " in main" in msg, msg
+
+
 def test_dcgan_names_the_generator(built, tmp_path):
     _, records = _run(built["dcgan"], tmp_path, "no_grad_generator")
     leak = [f for f in _findings(records) if f["kind"] == "no_grad_leak"]
