@@ -60,8 +60,7 @@ int main(int argc, char** argv) {
                                          torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
   torch::optim::Adam discriminator_optimizer(discriminator->parameters(),
                                              torch::optim::AdamOptions(2e-4).betas({0.5, 0.5}));
-  auto san = trainsan::attach({{"generator", *generator, generator_optimizer},  // trainsan
-                               {"discriminator", *discriminator, discriminator_optimizer}});
+  auto san = trainsan::attach({{"G", *generator, generator_optimizer}, {"D", *discriminator, discriminator_optimizer}});  // trainsan
 
   // "Real" images: a bright stroke at a random row, on a dark background, scaled to [-1, 1].
   auto real_batch = [] {
