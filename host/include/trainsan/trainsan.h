@@ -1,6 +1,9 @@
-// TrainSan's public C++ API: the fused statistics pass and the training-loop sanitizer.
+// TrainSan's public C++ API: the fused statistics pass, the training-loop sanitizer and the checks
+// usable on their own (check_custom_grad, compare_reruns).
 #pragma once
 
+#include "trainsan/custom_grad.h"
+#include "trainsan/determinism_facts.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
