@@ -1,6 +1,7 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
 // that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns) and the figures of bad_custom_grad's directional check. A
+// nondeterminism (compare_reruns), the figures of bad_custom_grad's directional check, and the
+// verdict of rank_desync's replica payload (judge_replica_payload, replica_labels). A
 // fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -72,6 +74,56 @@ std::tuple<double, double, double, double, double, double, bool> directional_fig
   return {r.analytic, r.central, r.curvature, r.scale, r.unit, r.noise, r.low_precision};
 }
 
+// The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
+// then that of their complements): (outcome, then per differing tensor its field, name, what and
+// whether it is shown, the fields to gather from every rank, grads_compared, grads_differ,
+// forwards_differ).
+std::tuple<int64_t, std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
+           c10::List<bool>, std::vector<int64_t>, bool, bool, bool>
+judge_replica_payload_op(const at::Tensor& payload, std::vector<std::string> members,
+                         std::vector<std::string> buffers, std::vector<std::string> known_whats,
+                         std::vector<std::string> known_tensors) {
+  TORCH_CHECK_VALUE(
+      payload.dim() == 1 && payload.scalar_type() == at::kLong && payload.numel() % 2 == 0,
+      "judge_replica_payload: payload must be a 1-D int64 tensor of even length "
+      "(a row, then its complement), got ",
+      payload.sizes(), " ", payload.scalar_type());
+  TORCH_CHECK_VALUE(known_whats.size() == known_tensors.size(),
+                    "judge_replica_payload: known_whats and known_tensors differ in length");
+  const at::Tensor p = payload.to(at::kCPU).contiguous();
+  const int64_t* d = p.const_data_ptr<int64_t>();
+  const auto n = static_cast<size_t>(p.numel() / 2);
+  std::vector<int64_t> hi(d, d + n), lo;
+  for (size_t k = 0; k < n; ++k) lo.push_back(~d[n + k]);
+  std::vector<std::pair<std::string, std::string>> known;
+  for (size_t k = 0; k < known_whats.size(); ++k)
+    known.emplace_back(known_whats[k], known_tensors[k]);
+  trainsan::ReplicaVerdict v;
+  try {
+    v = trainsan::judge_replica_payload(hi, lo, members, buffers, known);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  std::vector<int64_t> fields;
+  std::vector<std::string> tensors, whats;
+  c10::List<bool> shown;
+  for (const auto& x : v.differ) {
+    fields.push_back(x.field);
+    tensors.push_back(x.tensor);
+    whats.push_back(x.what);
+    shown.push_back(x.shown);
+  }
+  return {static_cast<int64_t>(v.outcome),
+          fields,
+          tensors,
+          whats,
+          shown,
+          v.fetch,
+          v.grads_compared,
+          v.grads_differ,
+          v.forwards_differ};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trainsan, m) {
@@ -85,4 +137,7 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
       "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
       "Tensor? grad, float eps) -> (float, float, float, float, float, float, bool)",
       &directional_figures_op);
+  m.def("judge_replica_payload", &judge_replica_payload_op);
+  m.def("replica_labels(int[] values) -> int[]",
+        [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });
 }
