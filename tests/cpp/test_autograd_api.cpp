@@ -256,7 +256,9 @@ struct RerunRun {
 };
 
 // Four SGD steps; with `check`, under a sanitizer that re-runs every `every`-th step.
-RerunRun train(const Mid& mid, const std::string& type, bool check = true, int64_t every = 2) {
+// `state`: tensors the forward updates besides the model's buffers (in Setup::buffers too).
+RerunRun train(const Mid& mid, const std::string& type, bool check = true, int64_t every = 2,
+               const std::vector<at::Tensor>& state = {}) {
   torch::manual_seed(0);
   Model m(mid, type);
   torch::optim::SGD opt(m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -267,6 +269,7 @@ RerunRun train(const Mid& mid, const std::string& type, bool check = true, int64
   for (const auto& kv : m.named_parameters()) ps.push_back({kv.key(), kv.value(), 0});
   trainsan::Setup setup;
   for (const auto& b : m.buffers()) setup.buffers.push_back(b);
+  setup.buffers.insert(setup.buffers.end(), state.begin(), state.end());
   std::optional<trainsan::Sanitizer> san;
   if (check) san.emplace(ps, o, setup);
   RerunRun out;
@@ -301,6 +304,7 @@ RerunRun train(const Mid& mid, const std::string& type, bool check = true, int64
   }
   for (const auto& p : m.parameters()) out.state.push_back(p.detach().clone());
   for (const auto& b : m.buffers()) out.state.push_back(b.detach().clone());
+  for (const auto& t : state) out.state.push_back(t.detach().clone());
   return out;
 }
 
@@ -331,6 +335,26 @@ TEST(Rerun, DeterministicStepIsSilentAndTrainsUnchanged) {
   for (size_t k = 0; k < with.findings.size(); ++k) {
     EXPECT_EQ(with.findings[k].kind, off.findings[k].kind);
     EXPECT_EQ(with.findings[k].tensor, off.findings[k].tensor);
+  }
+}
+
+TEST(Rerun, ACounterKeptInABufferIsModelStateNotNondeterminism) {
+  // Each re-run starts from the buffer's value at begin_step() and leaves it as it found it.
+  auto counted = [](const at::Tensor& calls) {
+    return [calls](const at::Tensor& h) {
+      calls.add_(1);
+      return h + 1e-3 * calls;
+    };
+  };
+  const at::Tensor a = torch::zeros({}), b = torch::zeros({});
+  const RerunRun with = train(counted(a), "BufferCounter", true, 2, {a});
+  const RerunRun without = train(counted(b), "BufferCounter", false, 2, {b});
+  EXPECT_EQ(with.calls, 4);
+  EXPECT_TRUE(of_kind(with, "nondeterminism").empty());
+  EXPECT_EQ(a.item<float>(), 4.0f);  // the step's own calls only
+  ASSERT_EQ(with.state.size(), without.state.size());
+  for (size_t k = 0; k < with.state.size(); ++k) {
+    EXPECT_TRUE(torch::equal(with.state[k], without.state[k])) << k;
   }
 }
 
