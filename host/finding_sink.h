@@ -29,6 +29,17 @@ class FindingSink {
   virtual void said(Kind /*kind*/, const std::string& /*tensor*/) {}
 };
 
+/// A sink that keeps every finding it is given, outside a sanitizer (no enablement, no
+/// de-duplication): the judgements of one checkpoint or one custom Function on their own, with
+/// the "<kind>: " prefix on each message.
+class CollectingSink : public FindingSink {
+ public:
+  const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
+                     std::optional<double> value, int64_t step,
+                     std::optional<Severity> severity) override;
+  std::vector<Finding> out;
+};
+
 /// Number formatting of the messages: 4 significant digits.
 std::string fmt(double v);
 /// "a, b, c, d and 3 more": the first `shown` names of a list, for the messages.

@@ -266,6 +266,7 @@ void GradTracker::end_of_backward() {
 }
 
 void GradTracker::before_accumulation(size_t i) {
+  if (paused_.load()) return;
   const at::Tensor& g = params_[i].param.grad();
   const std::lock_guard<std::mutex> lock(mu_);
   GradState& s = grad_[i];
@@ -295,6 +296,7 @@ void GradTracker::before_accumulation(size_t i) {
 }
 
 void GradTracker::on_grad_accumulated(size_t i) {
+  if (paused_.load()) return;
   if (on_backward_) on_backward_();  // backward has started: the op audit covers forward only
   const at::Tensor& g = params_[i].param.grad();
   if (!g.defined()) return;

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -131,6 +132,10 @@ class GradTracker {
   /// gradient holds a nonzero element (one reduction per parameter per backward; read at the step).
   void arm_probe(int64_t steps);
 
+  /// While paused (the re-runs of Sanitizer::rerun), accumulations are not recorded: they belong
+  /// to a backward that no step consumes, onto gradients that are put back afterwards.
+  void set_paused(bool paused) { paused_.store(paused); }
+
   void before_accumulation(size_t index);  // the pre-hook body (engine threads)
   void on_grad_accumulated(size_t index);  // the post-hook body (engine threads)
   /// TrackedParam::external: FSDP2 has assigned or accumulated the gradient (its accumulation,
@@ -168,6 +173,7 @@ class GradTracker {
   bool end_queued_ = false;
   void record(const at::Tensor& g, GradState* s);  // under mu_
   bool in_step_ = false;
+  std::atomic<bool> paused_{false};
   bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
   int64_t backwards_since_step_ = 0;
   int64_t probe_steps_ = 0;  // Note [Zero gradients]: steps left to probe

@@ -46,6 +46,21 @@ std::string join_names(const std::vector<std::string>& names, size_t shown) {
   return out;
 }
 
+const Finding* CollectingSink::add(Kind kind, const std::string& tensor, const std::string& message,
+                                   std::optional<double> value, int64_t step,
+                                   std::optional<Severity> severity) {
+  Finding f;
+  f.kind = name_of(kind);
+  f.step = step;
+  f.last_step = step;
+  f.severity = severity_name(severity.value_or(info(kind).severity));
+  f.tensor = tensor;
+  f.message = std::string(name_of(kind)) + ": " + message;
+  f.value = value;
+  out.push_back(f);
+  return &out.back();
+}
+
 std::string fmt(double v) {
   std::ostringstream os;
   os.precision(4);

@@ -520,6 +520,7 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
   }
   impl_->check_updates_outside_step(-1);
   report();
+  if (rerun_due()) impl_->capture_rerun_start();
   forward(ForwardFacts{true, inputs, module_eval});
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "grad_tracker.h"
 #include "overhead_budget.h"
 #include "readback.h"
+#include "rng_state.h"
 #include "trace.h"
 #include "trainsan/sanitizer.h"
 
@@ -122,6 +124,15 @@ struct SanitizerImpl {
   // they were last taken.
   bool replicas = false;
   std::vector<StepFingerprints> fingerprints;
+  // nondeterminism (Sanitizer::rerun, rerun.cpp): what begin_step() found on a step due for a
+  // re-run, the state each re-run starts from.
+  struct RerunStart {
+    int64_t step = -1;
+    RngState rng;
+    std::vector<at::Tensor> buffers;  // copies of Setup::buffers
+  };
+  std::optional<RerunStart> rerun_start;
+  void capture_rerun_start();
   double overhead_s = 0.0;       // total measured
   double step_overhead_s = 0.0;  // since the last step record
 

@@ -30,6 +30,8 @@ import torch
 
 from ._patches import Patch
 
+_ops = torch.ops.trainsan
+
 # Note [Saved-tensor fingerprint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # (Σx, Σ|x|) in the tensor's own floating precision (integer tensors: Σx in int64), compared
@@ -306,7 +308,10 @@ def _float_outputs(out) -> list:
 
 
 def _directional_check(orig_fn, cls, copies, kwargs) -> list:
-    """Per differentiable input: the figures of CustomGradResult (autograd_facts.h)."""
+    """Per differentiable input: the figures of CustomGradResult (autograd_facts.h). The
+    evaluations are Python's (the Function is a Python object); ε and the figures come from the
+    C++ measurement's own directional_eps/directional_figures (host/custom_grad.cpp), which
+    trainsan::check_custom_grad runs for LibTorch functions."""
     base, diff = copies
     name = f"{cls.__module__}.{cls.__qualname__}"
     seed = zlib.crc32(name.encode()) & 0x7FFFFFFF
@@ -350,30 +355,19 @@ def _directional_check(orig_fn, cls, copies, kwargs) -> list:
                         return []  # not deterministic under one seed: nothing to compare
                 low = any(o.dtype != torch.float64 for o in y0)
                 us = [u.to(o.dtype) for u, o in zip(us, y0)]
-                u_norm = sum(float(u.double().norm()) ** 2 for u in us) ** 0.5
                 for i, k in enumerate(diff):
                     x = base[k]
                     v = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
-                    xmax = float(x.abs().max()) if x.numel() else 0.0
-                    eps = (1e-3 if low else 1e-6) * (1.0 + xmax)
+                    eps = _ops.directional_eps(x, low)
                     plus = list(base)
                     plus[k] = x + eps * v
                     minus = list(base)
                     minus[k] = x - eps * v
                     yp, ym = run(plus, False), run(minus, False)
                     yp, ym = [yp[j] for j in keep], [ym[j] for j in keep]
-                    central = curvature = scale = noise = 0.0
-                    for u, p, m, c in zip(us, yp, ym, y0):
-                        u64, p64, m64, c64 = u.double(), p.double(), m.double(), c.double()
-                        central += float((u64 * (p64 - m64)).sum()) / (2 * eps)
-                        un = float(u64.norm())
-                        curvature += un * float((p64 - 2 * c64 + m64).norm()) / (2 * eps)
-                        scale += un * float((p64 - m64).norm()) / (2 * eps)
-                        noise += un * float(c64.norm()) * torch.finfo(c.dtype).eps / eps
-                    g = grads[i]
-                    analytic = float((g.double() * v).sum()) if g is not None else 0.0
-                    unit = u_norm * float(v.norm())
-                    results.append((k, analytic, central, curvature, scale, unit, noise, low))
+                    # (analytic, central, curvature, scale, unit, noise, low precision)
+                    figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps)
+                    results.append((k, *figures))
     except Exception:
         return []  # a Function that cannot run in float64 or on copies: not checked
     finally:

@@ -5,7 +5,8 @@ from — its inputs, the RNG states, a copy of the model's buffers — and the f
 module output, and the model's output gradients are captured in the backward. Before the
 optimizer step the forward and backward are re-run twice from that state
 (torch.autograd.grad: .grad is never touched), the fingerprints compared, and the buffers and RNG
-put back as the step left them.
+put back as the step left them. Where the fingerprints first differ is decided in C++
+(trainsan::compare_reruns, which Sanitizer::rerun uses for LibTorch loops).
 """
 
 from __future__ import annotations
@@ -137,22 +138,20 @@ class Rerun:
         return mods, gnames, ghash
 
 
+def _fingerprints(mods: list, gnames: list = (), ghash: Optional[dict] = None):
+    """One run's fingerprints as the C++ comparison takes them (trainsan::RerunFingerprints)."""
+    ghash = ghash or {}
+    return torch.classes.trainsan.RerunFingerprints(
+        [m[0] for m in mods], [m[1] for m in mods], [len(m[2]) for m in mods],
+        [h for m in mods for h in m[2]], list(gnames), [ghash[n] for n in gnames])
+
+
 def _compare(rec: _Recorded, a: tuple, b: tuple) -> Optional[tuple]:
-    """(where, tensor, type, position, checked) of the first difference, or None."""
-    mods_a, gnames, ga = a
-    mods_b, _, gb = b
-    if len(mods_a) == len(mods_b):
-        for i, (x, y) in enumerate(zip(mods_a, mods_b)):
-            if x[2] != y[2]:
-                return 0, x[0] or "(model)", x[1], i + 1, len(mods_a)
-    for i, n in enumerate(gnames):
-        if ga.get(n) != gb.get(n):
-            return 1, n, "", i + 1, len(gnames)
-    if len(rec.modules) == len(mods_a):
-        for i, (x, y) in enumerate(zip(rec.modules, mods_a)):
-            if x[0] == y[0] and x[2] != y[2]:
-                return 2, x[0] or "(model)", x[1], i + 1, len(mods_a)
-    return None
+    """(where, tensor, type, position, checked) of the first difference, or None: the C++
+    comparison (trainsan::compare_reruns, host/checks/determinism.cpp)."""
+    facts = torch.ops.trainsan.compare_reruns(_fingerprints(rec.modules), _fingerprints(*a),
+                                              _fingerprints(*b))
+    return None if facts[0] < 0 else tuple(facts)
 
 
 def _distributed() -> bool:

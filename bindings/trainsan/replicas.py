@@ -27,7 +27,9 @@ weight, its gradient and, on sampled steps, its optimizer state — and one all-
 ``[row, ~row]`` gives every member the maximum and the minimum of every field: a few bytes per
 tensor, whatever the group's size. It runs asynchronously and is read at the next event (so the
 training never waits for it); only where some field differs does a second collective (an
-all-gather of the rows) tell which ranks hold which value. The schedule of launches, reads and
+all-gather of the rows) tell which ranks hold which value. What the payload says is judged in C++
+(trainsan::judge_replica_payload and replica_labels, Note [Replica payload] in
+host/checks/replicas.cpp). The schedule of launches, reads and
 gathers depends only on the sequence of events, never on timing, so every member issues the same
 collectives in the same order.
 
@@ -58,11 +60,14 @@ from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
 _MASK = (1 << 64) - 1
+# The row of a comparison: trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]).
 _H = 6  # header fields: digest, optimizer, event count, step, skipped, training forwards
 _SLOT = 6  # per parameter: weight (present, hash), gradient (present, hash), state (present, hash)
 _BSLOT = 2  # per buffer: (present, hash)
+_STEP, _SKIPPED, _FORWARDS = 3, 4, 5  # header fields the reports quote per rank
+# ReplicaVerdict::Outcome
+_AGREE, _NOT_REPLICAS, _OUT_OF_STEP, _SKIPS_DIFFER, _TENSORS_DIFFER = range(5)
 _MISSING_GRACE_S = 5.0
-_NAMES_SHOWN = 4  # tensors a finding names with their ranks (host/checks/replicas.cpp)
 _instances = [0]  # ReplicaComparison objects made in this process (store key prefixes)
 
 
@@ -502,70 +507,41 @@ class ReplicaComparison:
 
     def _judge(self, s: _Set, payload: torch.Tensor, row: torch.Tensor, ev: _Event,
                seq: int) -> None:
-        n = row.numel()
-        hi = payload[:n].tolist()
-        lo = [~v for v in payload[n:].tolist()]
-        if hi == lo:
+        # The verdict is C++ (trainsan::judge_replica_payload, Note [Replica payload] in
+        # host/checks/replicas.cpp); gathering the rows it asks for and reporting stay here.
+        known = sorted(s.known)
+        (outcome, fields, tensors, whats, shown, fetch, grads_compared, grads_differ,
+         forwards_differ) = torch.ops.trainsan.judge_replica_payload(
+            payload, [self._names[i] for i in s.members], [n for n, _ in s.buffers],
+            [w for w, _ in known], [t for _, t in known])
+        if outcome == _AGREE:
             return
-        if hi[0] != lo[0]:
+        if outcome == _NOT_REPLICAS:
             self._give_up(s, "the ranks hold different parameters (names, shapes or placements) "
                           "in it, so they are not replicas of one model (pipeline stages?); "
                           "switch the check off with checks={'rank_desync': False} if intended")
             return
-        mine = row.tolist()
-        if hi[1] != lo[1] or hi[2] != lo[2]:
-            got = self._rows(s, seq, mine, [3, 5])
-            self._report(1, ev.step, ev.opt, s, [], [], [], [], got[3] if got else [],
-                         got[5] if got and hi[5] != lo[5] else [], False, [], 0.0, [])
+        got = self._rows(s, seq, row.tolist(), fetch)
+        forwards = got[_FORWARDS] if got and forwards_differ else []
+        if outcome == _OUT_OF_STEP:
+            self._report(1, ev.step, ev.opt, s, [], [], [], [], got[_STEP] if got else [],
+                         forwards, False, [], 0.0, [])
             s.dead = True  # the sequences no longer pair up
             return
-        if hi[4] != lo[4]:
-            got = self._rows(s, seq, mine, [4])
-            self._report(1, ev.step, ev.opt, s, [], [], [], got[4] if got else [], [], [], False,
-                         [], 0.0, [])
+        if outcome == _SKIPS_DIFFER:
+            self._report(1, ev.step, ev.opt, s, [], [], [], got[_SKIPPED] if got else [], [], [],
+                         False, [], 0.0, [])
             s.dead = True  # every comparison after this one differs: said once
             return
-        new = []  # (field, tensor, what)
-        grads_compared = grads_differ = False
-        fields = [(0, "parameter"), (2, "gradient"), (4, "optimizer state")]
-        for j, i in enumerate(s.members):
-            b = _H + _SLOT * j
-            for off, what in fields:
-                if lo[b + off] != 1:  # absent on some rank
-                    continue
-                grads_compared |= off == 2
-                if hi[b + off + 1] == lo[b + off + 1]:
-                    continue
-                grads_differ |= off == 2
-                if (what, self._names[i]) not in s.known:
-                    new.append((b + off + 1, self._names[i], what))
-        b0 = _H + _SLOT * len(s.members)
-        for j, (name, _) in enumerate(s.buffers):
-            b = b0 + _BSLOT * j
-            if lo[b] == 1 and hi[b + 1] != lo[b + 1] and ("buffer", name) not in s.known:
-                new.append((b + 1, name, "buffer"))
-        if not new:
-            return
-        for _, name, what in new:
-            s.known.add((what, name))
-        # Which ranks hold which value: for the first few tensors of each kind (what a finding
-        # names) and the forward counts.
-        shown: dict = {}
-        for k, (_, _, what) in enumerate(new):
-            shown.setdefault(what, [])
-            if len(shown[what]) < _NAMES_SHOWN:
-                shown[what].append(k)
-        picked = sorted({k for ks in shown.values() for k in ks})
-        got = self._rows(s, seq, mine, [5] + [new[k][0] for k in picked])
-        labels = []
-        for k, (field, _, _) in enumerate(new):
-            labels += _labels(got[field]) if got and k in picked else [-1] * len(s.ranks)
-        forwards = got[5] if got and hi[5] != lo[5] else []
-        if hi[5] != lo[5]:
+        s.known.update(zip(whats, tensors))
+        labels = []  # per tensor, the class of each rank's value (-1: not shown)
+        for field, show in zip(fields, shown):
+            labels += (torch.ops.trainsan.replica_labels(got[field]) if got and show
+                       else [-1] * len(s.ranks))
+        if forwards_differ:
             s.dead = True  # out of step: every later comparison pairs different steps
-        self._report(0 if ev.first else 1, ev.step, ev.opt, s, [t for _, t, _ in new],
-                     [w for _, _, w in new], labels, [], [], forwards,
-                     grads_compared and not grads_differ, [], 0.0, [])
+        self._report(0 if ev.first else 1, ev.step, ev.opt, s, tensors, whats, labels, [], [],
+                     forwards, grads_compared and not grads_differ, [], 0.0, [])
 
     def _rows(self, s: _Set, seq: int, mine: list, fields: list) -> Optional[dict]:
         """`fields` of every member's row of comparison `seq`, in the order of s.ranks, through
@@ -592,16 +568,6 @@ class ReplicaComparison:
             self._collect.extend(reports)
         else:
             self._apply(reports)
-
-
-def _labels(values: list) -> list:
-    """Per rank, the class of its value: 0 for the most common (ties: the lowest rank's)."""
-    count: dict = {}
-    for v in values:
-        count[v] = count.get(v, 0) + 1
-    order = sorted(count, key=lambda v: (-count[v], values.index(v)))
-    cls = {v: k for k, v in enumerate(order)}
-    return [cls[v] for v in values]
 
 
 def _side_group(ranks: tuple, timeout_s: float):

@@ -99,4 +99,12 @@ void AutogradCheck::on_custom_grad(const CustomGradResult& r, int64_t step) {
             r.central != 0.0 ? std::optional<double>(r.analytic / r.central) : std::nullopt, step);
 }
 
+std::vector<Finding> judge_custom_grad(const std::vector<CustomGradResult>& results) {
+  CollectingSink sink;
+  const Options opts;
+  AutogradCheck check(sink, opts);
+  for (const CustomGradResult& r : results) check.on_custom_grad(r, 0);
+  return sink.out;
+}
+
 }  // namespace trainsan::host

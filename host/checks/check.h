@@ -444,6 +444,10 @@ class DeterminismCheck {  // determinism.cpp: nondeterminism (Note [Re-run deter
 /// the "bad_checkpoint: " prefix, step 0.
 std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts);
 
+/// The bad_custom_grad findings of custom-Function checks outside a sanitizer
+/// (trainsan::check_custom_grad): messages with the "bad_custom_grad: " prefix, step 0.
+std::vector<Finding> judge_custom_grad(const std::vector<CustomGradResult>& results);
+
 /// Every family, in the order the sanitizer runs them on a step (the order findings appear in:
 /// the hook observations, the numbers of the pass, the step-level rules, the mode).
 struct Checks {

@@ -138,29 +138,6 @@ void CheckpointCheck::on_checkpoint(const CheckpointFacts& f, int64_t step) {
   }
 }
 
-namespace {
-
-class CollectingSink : public FindingSink {
- public:
-  const Finding* add(Kind kind, const std::string& tensor, const std::string& message,
-                     std::optional<double> value, int64_t step,
-                     std::optional<Severity> severity) override {
-    Finding f;
-    f.kind = name_of(kind);
-    f.step = step;
-    f.last_step = step;
-    f.severity = severity_name(severity.value_or(info(kind).severity));
-    f.tensor = tensor;
-    f.message = std::string(name_of(kind)) + ": " + message;
-    f.value = value;
-    out.push_back(f);
-    return &out.back();
-  }
-  std::vector<Finding> out;
-};
-
-}  // namespace
-
 std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts) {
   CollectingSink sink;
   const Options opts;

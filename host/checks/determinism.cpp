@@ -1,4 +1,6 @@
 // nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits.
+#include <algorithm>
+
 #include "checks/check.h"
 
 namespace trainsan::host {
@@ -16,7 +18,9 @@ namespace trainsan::host {
 // an unseeded generator); re-runs that agree with each other but not with the step's own forward
 // are state that changes between calls (a counter, a cache, a generator of the module's own).
 // The buffers and the RNG are put back as the step left them: the re-runs change nothing the
-// training sees.
+// training sees. The comparison itself (compare_reruns, below) is torch-free: it reads the
+// fingerprints both callers gather — Sanitizer::rerun (host/rerun.cpp) and the Python package's
+// forward hooks (bindings/trainsan/determinism.py).
 
 void DeterminismCheck::on_rerun(const RerunFacts& f, int64_t step) {
   using W = RerunFacts::Where;
@@ -57,3 +61,55 @@ void DeterminismCheck::on_rerun(const RerunFacts& f, int64_t step) {
 }
 
 }  // namespace trainsan::host
+
+namespace trainsan {
+
+std::optional<RerunFacts> compare_reruns(const RerunFingerprints& step,
+                                         const RerunFingerprints& first,
+                                         const RerunFingerprints& second) {
+  using W = RerunFacts::Where;
+  const auto& a = first.outputs;
+  const auto& b = second.outputs;
+  auto at_output = [&](W where, size_t i) {
+    RerunFacts f;
+    f.where = where;
+    f.tensor = a[i].name.empty() ? "(model)" : a[i].name;
+    f.type = a[i].type;
+    f.position = static_cast<int64_t>(i) + 1;
+    f.checked = static_cast<int64_t>(a.size());
+    return f;
+  };
+  // Outputs are compared only where the runs recorded as many: a module called a different
+  // number of times is a different computation, not a difference of bits at one place.
+  if (a.size() == b.size()) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i].hashes != b[i].hashes) return at_output(W::kForward, i);
+    }
+  }
+  for (size_t i = 0; i < first.grads.size(); ++i) {
+    const auto& [name, hash] = first.grads[i];
+    const auto it = std::find_if(second.grads.begin(), second.grads.end(),
+                                 [&](const auto& g) { return g.first == name; });
+    if (it == second.grads.end() || it->second != hash) {
+      RerunFacts f;
+      f.where = W::kBackward;
+      f.tensor = name;
+      f.position = static_cast<int64_t>(i) + 1;
+      f.checked = static_cast<int64_t>(first.grads.size());
+      return f;
+    }
+  }
+  const auto& s = step.outputs;
+  if (s.size() == a.size()) {
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (s[i].name == a[i].name && s[i].hashes != a[i].hashes) {
+        RerunFacts f = at_output(W::kBetweenCalls, i);
+        f.type = s[i].type;
+        return f;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace trainsan

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 
 #include "checks/check.h"
 
@@ -12,7 +13,7 @@ namespace trainsan::host {
 
 namespace {
 
-constexpr size_t kNamesShown = 4;  // tensors named in one finding
+constexpr size_t kNamesShown = 4;  // tensors named in one finding (and shown with their ranks)
 constexpr size_t kRanksShown = 8;  // ranks listed in one set
 
 std::string rank_list(const std::vector<int64_t>& ranks) {
@@ -213,3 +214,111 @@ void ReplicaCheck::on_report(const ReplicaReport& r) {
 }
 
 }  // namespace trainsan::host
+
+namespace trainsan {
+
+// Note [Replica payload]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Each rank of a replica set builds one row per comparison (ReplicaRow: the header, then per
+// member parameter the presence and fingerprint of its weight, gradient and optimizer state,
+// then per buffer its presence and fingerprint) and all-reduces (max) the row with its bitwise
+// complement: the first half is the element-wise maximum over the ranks and the complement of the
+// second the minimum, so one collective says, per field, whether every rank holds the same value.
+// A tensor is compared only where it is present on every rank (the minimum of its presence is
+// 1). Which ranks hold which value is not in the payload: the caller gathers the `fetch` fields
+// of every rank's row only when something differs (rare), and replica_labels turns each into
+// classes of ranks.
+ReplicaVerdict judge_replica_payload(
+    const std::vector<int64_t>& hi, const std::vector<int64_t>& lo,
+    const std::vector<std::string>& members, const std::vector<std::string>& buffers,
+    const std::vector<std::pair<std::string, std::string>>& known) {
+  using R = ReplicaRow;
+  using O = ReplicaVerdict::Outcome;
+  const size_t n = static_cast<size_t>(R::kHeader) +
+                   static_cast<size_t>(R::kSlot) * members.size() +
+                   static_cast<size_t>(R::kBufferSlot) * buffers.size();
+  if (hi.size() != n || lo.size() != n) {
+    throw std::invalid_argument("judge_replica_payload: rows of " + std::to_string(n) +
+                                " fields expected (a header of " + std::to_string(R::kHeader) +
+                                ", " + std::to_string(R::kSlot) + " per member, " +
+                                std::to_string(R::kBufferSlot) + " per buffer), got " +
+                                std::to_string(hi.size()) + " and " + std::to_string(lo.size()));
+  }
+  ReplicaVerdict v;
+  auto differs = [&](int64_t f) {
+    return hi[static_cast<size_t>(f)] != lo[static_cast<size_t>(f)];
+  };
+  if (hi == lo) return v;
+  v.forwards_differ = differs(R::kForwards);
+  if (differs(R::kDigest)) {
+    v.outcome = O::kNotReplicas;
+    return v;
+  }
+  if (differs(R::kOpt) || differs(R::kCount)) {
+    v.outcome = O::kOutOfStep;
+    v.fetch = {R::kStep, R::kForwards};
+    return v;
+  }
+  if (differs(R::kSkipped)) {
+    v.outcome = O::kSkipsDiffer;
+    v.fetch = {R::kSkipped};
+    return v;
+  }
+  auto add = [&](int64_t present, const std::string& tensor, const std::string& what) {
+    if (lo[static_cast<size_t>(present)] != 1) return false;  // absent on some rank
+    if (!differs(present + 1)) return true;
+    if (std::find(known.begin(), known.end(), std::make_pair(what, tensor)) == known.end()) {
+      v.differ.push_back({present + 1, tensor, what, false});
+    }
+    return true;
+  };
+  static const char* const kSlotWhat[] = {"parameter", "gradient", "optimizer state"};
+  for (size_t j = 0; j < members.size(); ++j) {
+    const int64_t b = R::kHeader + R::kSlot * static_cast<int64_t>(j);
+    for (int64_t s = 0; s < 3; ++s) {
+      const bool compared = add(b + 2 * s, members[j], kSlotWhat[s]);
+      if (s == 1 && compared) {
+        v.grads_compared = true;
+        v.grads_differ = v.grads_differ || differs(b + 3);
+      }
+    }
+  }
+  const int64_t b0 = R::kHeader + R::kSlot * static_cast<int64_t>(members.size());
+  for (size_t j = 0; j < buffers.size(); ++j) {
+    add(b0 + R::kBufferSlot * static_cast<int64_t>(j), buffers[j], "buffer");
+  }
+  if (v.differ.empty()) return v;
+  v.outcome = O::kTensorsDiffer;
+  v.fetch = {R::kForwards};
+  std::map<std::string, size_t> per_what;
+  for (ReplicaVerdict::Differ& d : v.differ) {
+    d.shown = per_what[d.what]++ < host::kNamesShown;
+    if (d.shown) v.fetch.push_back(d.field);
+  }
+  return v;
+}
+
+std::vector<int64_t> replica_labels(const std::vector<int64_t>& values) {
+  // Distinct values by first appearance, then ordered by how many ranks hold each (stable: ties
+  // keep the order of first appearance).
+  std::vector<std::pair<int64_t, int64_t>> order;  // (value, count)
+  for (const int64_t x : values) {
+    auto it = std::find_if(order.begin(), order.end(), [&](const auto& p) { return p.first == x; });
+    if (it == order.end()) {
+      order.emplace_back(x, 1);
+    } else {
+      it->second += 1;
+    }
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::vector<int64_t> out;
+  for (const int64_t x : values) {
+    const auto it =
+        std::find_if(order.begin(), order.end(), [&](const auto& p) { return p.first == x; });
+    out.push_back(static_cast<int64_t>(it - order.begin()));
+  }
+  return out;
+}
+
+}  // namespace trainsan

@@ -208,5 +208,22 @@ TEST(AutogradCheck, MismatchMessageNamesTheFunctionInputAndFactor) {
   EXPECT_EQ(sink.calls.size(), 2u);
 }
 
+TEST(AutogradCheck, JudgedOutsideASanitizerEachMismatchIsAFinding) {
+  CustomGradResult bad = agreeing(1.5);
+  bad.analytic = -1.5;
+  CustomGradResult other = bad;
+  other.input_index = 2;
+  const std::vector<Finding> fs = judge_custom_grad({agreeing(), bad, other});
+  ASSERT_EQ(fs.size(), 2u);
+  EXPECT_EQ(fs[0].kind, "bad_custom_grad");
+  EXPECT_EQ(fs[0].severity, "error");
+  EXPECT_EQ(fs[0].step, 0);
+  EXPECT_EQ(fs[0].tensor, "mymod.MyExp:input 0");
+  EXPECT_EQ(fs[1].tensor, "mymod.MyExp:input 2");
+  EXPECT_EQ(fs[0].message.rfind("bad_custom_grad: custom autograd.Function mymod.MyExp", 0), 0u);
+  EXPECT_NE(fs[0].message.find("(the opposite sign)"), std::string::npos);
+  EXPECT_TRUE(judge_custom_grad({}).empty());
+}
+
 }  // namespace
 }  // namespace trainsan::host

@@ -3,7 +3,11 @@
 // pattern points to, and the schedule of fingerprints (desync_every).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "checks/check.h"
 #include "fake_sink.h"
@@ -125,6 +129,157 @@ TEST(ReplicaCheck, SwitchedOffSaysNothing) {
   r.mismatches = {{"w", "parameter", {0, 1, 0, 0}}};
   c.on_report(r);
   EXPECT_TRUE(sink.calls.empty());
+}
+
+// --- the payload's verdict (judge_replica_payload, Note [Replica payload]) ----------------------
+
+using R = ReplicaRow;
+using Outcome = ReplicaVerdict::Outcome;
+
+// One rank's row: `members` parameters with weight, gradient and state, `buffers` buffers.
+std::vector<int64_t> row(size_t members, size_t buffers = 0) {
+  std::vector<int64_t> r(R::kHeader + R::kSlot * members + R::kBufferSlot * buffers, 0);
+  r[R::kDigest] = 77;
+  r[R::kCount] = r[R::kStep] = r[R::kForwards] = 3;
+  for (size_t j = 0; j < members; ++j) {
+    for (int64_t k = 0; k < 3; ++k) {
+      r[R::kHeader + R::kSlot * j + 2 * k] = 1;
+      r[R::kHeader + R::kSlot * j + 2 * k + 1] = 100 * (k + 1) + static_cast<int64_t>(j);
+    }
+  }
+  for (size_t j = 0; j < buffers; ++j) {
+    r[R::kHeader + R::kSlot * members + R::kBufferSlot * j] = 1;
+    r[R::kHeader + R::kSlot * members + R::kBufferSlot * j + 1] = 400 + static_cast<int64_t>(j);
+  }
+  return r;
+}
+
+int64_t field(size_t member, int64_t k) { return R::kHeader + R::kSlot * member + k; }
+
+// What the all-reduce of the rows and their complements gives: the maximum and the minimum.
+ReplicaVerdict judge(const std::vector<std::vector<int64_t>>& rows,
+                     const std::vector<std::string>& members,
+                     const std::vector<std::string>& buffers = {},
+                     const std::vector<std::pair<std::string, std::string>>& known = {}) {
+  std::vector<int64_t> hi = rows[0], lo = rows[0];
+  for (const auto& r : rows) {
+    for (size_t k = 0; k < r.size(); ++k) {
+      hi[k] = std::max(hi[k], r[k]);
+      lo[k] = std::min(lo[k], r[k]);
+    }
+  }
+  return judge_replica_payload(hi, lo, members, buffers, known);
+}
+
+TEST(ReplicaPayload, EqualRowsAgree) {
+  const auto v = judge({row(2, 1), row(2, 1), row(2, 1)}, {"a", "b"}, {"bn.mean"});
+  EXPECT_EQ(v.outcome, Outcome::kAgree);
+  EXPECT_TRUE(v.differ.empty());
+  EXPECT_TRUE(v.fetch.empty());
+}
+
+TEST(ReplicaPayload, HeaderDifferencesComeFirst) {
+  auto other = row(1);
+  other[R::kDigest] = 78;
+  other[field(0, 1)] = 1;  // a weight differs too: not compared
+  EXPECT_EQ(judge({row(1), other}, {"a"}).outcome, Outcome::kNotReplicas);
+  other = row(1);
+  other[R::kCount] = 4;
+  other[R::kForwards] = 4;
+  auto v = judge({row(1), other}, {"a"});
+  EXPECT_EQ(v.outcome, Outcome::kOutOfStep);
+  EXPECT_EQ(v.fetch, (std::vector<int64_t>{R::kStep, R::kForwards}));
+  EXPECT_TRUE(v.forwards_differ);
+  other = row(1);
+  other[R::kOpt] = 1;
+  EXPECT_EQ(judge({row(1), other}, {"a"}).outcome, Outcome::kOutOfStep);
+  other = row(1);
+  other[R::kSkipped] = 1;
+  v = judge({row(1), other}, {"a"});
+  EXPECT_EQ(v.outcome, Outcome::kSkipsDiffer);
+  EXPECT_EQ(v.fetch, std::vector<int64_t>{R::kSkipped});
+  EXPECT_FALSE(v.forwards_differ);
+}
+
+TEST(ReplicaPayload, ADifferingWeightWithAgreeingGradients) {
+  auto other = row(2, 1);
+  other[field(1, 1)] = 999;  // b's weight on one rank
+  const auto v = judge({row(2, 1), row(2, 1), other}, {"a", "b"}, {"bn.mean"});
+  EXPECT_EQ(v.outcome, Outcome::kTensorsDiffer);
+  ASSERT_EQ(v.differ.size(), 1u);
+  EXPECT_EQ(v.differ[0].field, field(1, 1));
+  EXPECT_EQ(v.differ[0].tensor, "b");
+  EXPECT_EQ(v.differ[0].what, "parameter");
+  EXPECT_TRUE(v.differ[0].shown);
+  EXPECT_TRUE(v.grads_compared);
+  EXPECT_FALSE(v.grads_differ);
+  EXPECT_FALSE(v.forwards_differ);
+  EXPECT_EQ(v.fetch, (std::vector<int64_t>{R::kForwards, field(1, 1)}));
+}
+
+TEST(ReplicaPayload, GradientsStateAndBuffersInRowOrder) {
+  auto other = row(2, 2);
+  other[field(0, 5)] = 1;                                     // a's optimizer state
+  other[field(1, 3)] = 1;                                     // b's gradient
+  other[R::kHeader + R::kSlot * 2 + R::kBufferSlot + 1] = 1;  // the second buffer
+  const auto v = judge({row(2, 2), other}, {"a", "b"}, {"bn.mean", "bn.var"});
+  ASSERT_EQ(v.differ.size(), 3u);
+  EXPECT_EQ(v.differ[0].tensor, "a");
+  EXPECT_EQ(v.differ[0].what, "optimizer state");
+  EXPECT_EQ(v.differ[1].tensor, "b");
+  EXPECT_EQ(v.differ[1].what, "gradient");
+  EXPECT_EQ(v.differ[2].tensor, "bn.var");
+  EXPECT_EQ(v.differ[2].what, "buffer");
+  EXPECT_TRUE(v.grads_compared);
+  EXPECT_TRUE(v.grads_differ);
+}
+
+TEST(ReplicaPayload, TensorsAbsentOnSomeRankOrReportedBeforeAreLeftOut) {
+  auto other = row(2);
+  other[field(0, 2)] = 0;  // a has no gradient on this rank (its hash 0 differs)
+  other[field(0, 3)] = 0;
+  other[field(1, 2)] = 0;
+  other[field(1, 3)] = 0;
+  auto v = judge({row(2), other}, {"a", "b"});
+  EXPECT_EQ(v.outcome, Outcome::kAgree);
+  EXPECT_FALSE(v.grads_compared);
+  other = row(2);
+  other[field(0, 1)] = 5;
+  other[field(1, 1)] = 5;
+  v = judge({row(2), other}, {"a", "b"}, {}, {{"parameter", "a"}, {"gradient", "b"}});
+  ASSERT_EQ(v.differ.size(), 1u);
+  EXPECT_EQ(v.differ[0].tensor, "b");
+  v = judge({row(2), other}, {"a", "b"}, {}, {{"parameter", "a"}, {"parameter", "b"}});
+  EXPECT_EQ(v.outcome, Outcome::kAgree);
+}
+
+TEST(ReplicaPayload, OnlyTheFirstFewOfAKindAreShownWithTheirRanks) {
+  const std::vector<std::string> names = {"m0", "m1", "m2", "m3", "m4", "m5"};
+  auto other = row(6);
+  for (size_t j = 0; j < 6; ++j) other[field(j, 1)] = -1;
+  other[field(5, 3)] = -1;  // and one gradient: its own kind, shown
+  const auto v = judge({row(6), other}, names);
+  ASSERT_EQ(v.differ.size(), 7u);
+  std::vector<int64_t> expected_fetch = {R::kForwards};
+  for (size_t k = 0; k < v.differ.size(); ++k) {
+    const bool gradient = v.differ[k].what == "gradient";
+    EXPECT_EQ(v.differ[k].shown, gradient || k < 4) << k;
+    if (v.differ[k].shown) expected_fetch.push_back(v.differ[k].field);
+  }
+  EXPECT_EQ(v.fetch, expected_fetch);
+}
+
+TEST(ReplicaPayload, RowsOfAnotherLayoutAreAnError) {
+  EXPECT_THROW(judge_replica_payload(row(2), row(2), {"a"}, {}, {}), std::invalid_argument);
+  EXPECT_THROW(judge_replica_payload(row(1), row(2), {"a"}, {}, {}), std::invalid_argument);
+}
+
+TEST(ReplicaLabels, ClassesByHowManyRanksHoldEachValue) {
+  EXPECT_EQ(replica_labels({5, 5, 7, 5}), (std::vector<int64_t>{0, 0, 1, 0}));
+  EXPECT_EQ(replica_labels({9, 8, 8}), (std::vector<int64_t>{1, 0, 0}));
+  EXPECT_EQ(replica_labels({7, 5, 5, 7}), (std::vector<int64_t>{0, 1, 1, 0}));  // tie: rank order
+  EXPECT_EQ(replica_labels({3, 1, 2}), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_TRUE(replica_labels({}).empty());
 }
 
 }  // namespace

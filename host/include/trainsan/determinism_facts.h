@@ -1,10 +1,14 @@
-// Facts of a re-run (nondeterminism): the caller re-ran a step's forward and backward on the same
-// batch with the same RNG state and buffers (bindings/trainsan/determinism.py) and says where the
-// bits first differed; host/checks/determinism.cpp words it. Torch-free.
+// Facts of a re-run (nondeterminism): a step's forward and backward re-run twice on the same batch
+// with the same RNG state and buffers (Sanitizer::rerun, or bindings/trainsan/determinism.py),
+// fingerprinted, and compared by compare_reruns(); host/checks/determinism.cpp words where the
+// bits first differed. Torch-free.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace trainsan {
 
@@ -20,5 +24,31 @@ struct RerunFacts {
   int64_t position = 0;  ///< 1-based place in execution order
   int64_t checked = 0;   ///< how many were compared
 };
+
+/// The fingerprints of one run of a step (TensorStats::hash of each tensor).
+struct RerunFingerprints {
+  /// One module's output (or another named value the caller records, e.g. the loss).
+  struct Output {
+    std::string name;              ///< the module's name; "" is the model itself
+    std::string type;              ///< its class, e.g. "Linear"; may be empty
+    std::vector<uint64_t> hashes;  ///< of its floating outputs, in order
+  };
+  std::vector<Output> outputs;  ///< in execution order
+  /// (parameter name, fingerprint of its gradient), in backward order (the output's side first);
+  /// parameters without a gradient are left out. Empty for the step's own forward.
+  std::vector<std::pair<std::string, uint64_t>> grads;
+};
+
+/// Where two re-runs of a step (`first`, `second`) and the step's own forward (`step`: outputs
+/// only; empty when not recorded) first differ, or nothing when they agree (Note [Re-run
+/// determinism], host/checks/determinism.cpp), checked in this order:
+///   * kForward: the re-runs recorded as many outputs and some output's fingerprints differ;
+///   * kBackward: a gradient of `first` is missing from `second` or has other bits;
+///   * kBetweenCalls: `step` recorded as many outputs as `first`, and an output of the same name
+///     has other fingerprints.
+/// Outputs are named by their name, or "(model)" for the model itself ("").
+std::optional<RerunFacts> compare_reruns(const RerunFingerprints& step,
+                                         const RerunFingerprints& first,
+                                         const RerunFingerprints& second);
 
 }  // namespace trainsan

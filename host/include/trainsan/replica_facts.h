@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainsan {
@@ -62,5 +63,59 @@ struct ReplicaReport {
   double waited_s = 0.0;
   std::vector<std::string> missing_detail;
 };
+
+/// The row one rank contributes to a comparison (Note [Replica payload], host/checks/replicas.cpp):
+/// int64 fields, a header, then a slot per member parameter, then a slot per buffer.
+struct ReplicaRow {
+  static constexpr int64_t kDigest = 0;    ///< of the members' names, shapes and placements
+  static constexpr int64_t kOpt = 1;       ///< the optimizer whose step is compared
+  static constexpr int64_t kCount = 2;     ///< step events (steps and skips) of it so far
+  static constexpr int64_t kStep = 3;      ///< its step count
+  static constexpr int64_t kSkipped = 4;   ///< 1: the GradScaler skipped this step
+  static constexpr int64_t kForwards = 5;  ///< training forwards so far
+  static constexpr int64_t kHeader = 6;
+  /// Per member: (present, fingerprint) of its weight, of its gradient, of its optimizer state.
+  static constexpr int64_t kSlot = 6;
+  static constexpr int64_t kBufferSlot = 2;  ///< per buffer: (present, fingerprint)
+};
+
+/// What one comparison's all-reduced rows say (judge_replica_payload).
+struct ReplicaVerdict {
+  enum class Outcome : uint8_t {
+    kAgree = 0,          ///< nothing differs, or only tensors reported before
+    kNotReplicas = 1,    ///< the digests differ: the ranks hold different parameters
+    kOutOfStep = 2,      ///< the optimizer or the event count differs: the steps do not pair up
+    kSkipsDiffer = 3,    ///< the GradScaler skipped this step on some ranks only
+    kTensorsDiffer = 4,  ///< `differ` lists tensors that differ and were not reported before
+  };
+  struct Differ {
+    int64_t field = 0;  ///< the row field of its fingerprint (its value per rank: the classes)
+    std::string tensor;
+    std::string what;    ///< "parameter", "gradient", "optimizer state" or "buffer"
+    bool shown = false;  ///< among the first of its kind a finding names with their ranks
+  };
+  Outcome outcome = Outcome::kAgree;
+  std::vector<Differ> differ;   ///< kTensorsDiffer, in row order
+  bool grads_compared = false;  ///< some gradient was present on every rank
+  bool grads_differ = false;    ///< and some such gradient differs
+  bool forwards_differ = false;
+  /// The fields whose value on every rank the report needs (the caller gathers every rank's
+  /// row): kOutOfStep: kStep, kForwards; kSkipsDiffer: kSkipped; kTensorsDiffer: kForwards and
+  /// the shown tensors' fields.
+  std::vector<int64_t> fetch;
+};
+
+/// Judges one comparison from the element-wise maximum `hi` and minimum `lo` of the ranks' rows
+/// (ReplicaRow; `members`, `buffers`: the names of their slots): whether they agree, and if not,
+/// where. `known`: (what, tensor) pairs reported before, not reported again. Throws
+/// std::invalid_argument when the rows do not have the layout's length.
+ReplicaVerdict judge_replica_payload(const std::vector<int64_t>& hi, const std::vector<int64_t>& lo,
+                                     const std::vector<std::string>& members,
+                                     const std::vector<std::string>& buffers,
+                                     const std::vector<std::pair<std::string, std::string>>& known);
+
+/// Per rank, the class of its value (ReplicaMismatch::labels): 0 for the value most ranks hold,
+/// ties to the one the lowest-placed rank holds, then 1, ...
+std::vector<int64_t> replica_labels(const std::vector<int64_t>& values);
 
 }  // namespace trainsan

@@ -16,6 +16,7 @@
 #include "trainsan/autograd_facts.h"
 #include "trainsan/checkpoint_facts.h"
 #include "trainsan/coverage.h"
+#include "trainsan/custom_grad.h"
 #include "trainsan/determinism_facts.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
@@ -90,6 +91,10 @@ struct Setup {
   /// Source lookup for op-audit findings: Python frames whose file path contains one of these
   /// are skipped (the framework's and TrainSan's own files), so the finding names the user's line.
   std::vector<std::string> skip_frames;
+  /// Buffers the model's forward updates (BatchNorm's running statistics, counters): on a step
+  /// due for a re-run, begin_step() copies them, and each re-run (Sanitizer::rerun) starts from
+  /// those values and leaves the buffers as it found them.
+  std::vector<at::Tensor> buffers;
   /// Receives each new finding with the policy's answer, at the end of the event that found it.
   /// Default: throw TrainingBugError for Action::kRaise (after completing the trace's summary, so
   /// that an uncaught error still leaves a complete trace), print to stderr for Action::kWarn.
@@ -113,6 +118,25 @@ struct ForwardFacts {
   /// The optimizer whose parameters this forward read (a GAN's generator or discriminator), so
   /// that the mode rules count it for that optimizer only; -1: every optimizer of the model.
   int64_t opt = -1;
+};
+
+/// What one run of a training step's forward and backward produced, for the nondeterminism
+/// re-runs (Sanitizer::rerun): the values the caller chooses to compare, in execution order, e.g.
+///   trainsan::RerunRecord r;
+///   r.add("model", {out}).add("loss", {loss});
+/// Their floating tensors are fingerprinted (TensorStats::hash); the gradients are read by the
+/// sanitizer from its parameters.
+struct RerunRecord {
+  struct Output {
+    std::string name;  ///< e.g. a module's name; "" is the model itself
+    std::string type;  ///< e.g. "Linear"; may be empty
+    std::vector<at::Tensor> tensors;
+  };
+  std::vector<Output> outputs;
+  RerunRecord& add(std::string name, std::vector<at::Tensor> tensors, std::string type = "") {
+    outputs.push_back({std::move(name), std::move(type), std::move(tensors)});
+    return *this;
+  }
 };
 
 namespace host {
@@ -208,6 +232,18 @@ class Sanitizer {
   bool rerun_due() const;
   /// Where a re-run of the current step first differed (nondeterminism).
   void rerun_result(const RerunFacts& facts);
+  /// The nondeterminism check of the current step (Note [Re-run determinism]); does nothing unless
+  /// rerun_due(). Call it after the step's backward, before the optimizer step. `step_fn` runs
+  /// the step's forward and backward again on the same batch (loss.backward() inside) and returns
+  /// what it records; it is called twice, and must not call this sanitizer's event methods.
+  /// Each call starts from the RNG state (CPU, and the CUDA devices of the parameters) and the
+  /// Setup::buffers as begin_step() found them (without a begin_step() of this step: as they are
+  /// now), with every parameter's .grad cleared; afterwards .grad, the RNG state and the buffers
+  /// are put back as rerun() found them, so the step goes on unchanged. The two calls' records,
+  /// then their gradients in backward order, are compared (compare_reruns); `step`, what the
+  /// step's own forward recorded (the same values), is compared with them when begin_step()
+  /// started this step. A difference is reported through rerun_result().
+  void rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step = {});
   /// A resume event (optimizer_reset; Note [Resume checks] in host/checks/resume.cpp).
   void resume(const ResumeFacts& facts);
   /// The input fingerprints of a previous run's steps (its trace, resume_trace): this run is its
@@ -233,6 +269,11 @@ class Sanitizer {
   void saved_tensor_changed(const SavedTensorChange& change);
   /// A directional finite-difference check of a custom autograd Function (bad_custom_grad).
   void custom_grad_result(const CustomGradResult& result);
+  /// bad_custom_grad of a custom autograd function `fn` at `inputs` (its arguments in this step),
+  /// on gradcheck_step() steps only: measure_custom_grad() (custom_grad.h), each result judged
+  /// as by custom_grad_result(). `name` names it in findings, e.g. "MyLinear".
+  void check_custom_grad(const std::string& name, const TensorFunction& fn,
+                         const std::vector<at::Tensor>& inputs);
   /// Whether the current step's training forward gets the saved-tensor check
   /// (inplace_before_backward on, a sampled step of the op audit's schedule, not inside an
   /// optimizer step's closure).

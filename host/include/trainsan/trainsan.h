@@ -1,8 +1,11 @@
-// TrainSan's public C++ API: the fused statistics pass, the training-loop sanitizer and its
-// one-line front door (trainsan::attach).
+// TrainSan's public C++ API: the fused statistics pass, the training-loop sanitizer, its one-line
+// front door (trainsan::attach) and the checks usable on their own (check_custom_grad,
+// compare_reruns).
 #pragma once
 
 #include "trainsan/attach.h"
+#include "trainsan/custom_grad.h"
+#include "trainsan/determinism_facts.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"

@@ -1,0 +1,143 @@
+// Ops of the op library that run a check's measurement or comparison for the Python package, so
+// that it and a LibTorch program compute them with the same code: the re-run comparison of
+// nondeterminism (compare_reruns), the figures of bad_custom_grad's directional check, and the
+// verdict of rank_desync's replica payload (judge_replica_payload, replica_labels). A
+// fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
+// C++ API.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "trainsan/trainsan.h"
+
+namespace {
+
+// torch.classes.trainsan.RerunFingerprints: one run's fingerprints (trainsan::RerunFingerprints),
+// flattened: per output its name, type and number of hashes, the hashes in order; then the
+// gradients' names and hashes. Hashes are the 64 bits as int64 (TensorStats::hash).
+struct RerunFingerprintsHolder : torch::CustomClassHolder {
+  trainsan::RerunFingerprints fp;
+
+  RerunFingerprintsHolder(std::vector<std::string> names, std::vector<std::string> types,
+                          std::vector<int64_t> counts, std::vector<int64_t> hashes,
+                          std::vector<std::string> grad_names, std::vector<int64_t> grad_hashes) {
+    TORCH_CHECK_VALUE(names.size() == types.size() && names.size() == counts.size(),
+                      "RerunFingerprints: names, types and counts differ in length (", names.size(),
+                      ", ", types.size(), ", ", counts.size(), ")");
+    TORCH_CHECK_VALUE(grad_names.size() == grad_hashes.size(),
+                      "RerunFingerprints: grad_names and grad_hashes differ in length (",
+                      grad_names.size(), ", ", grad_hashes.size(), ")");
+    size_t h = 0;
+    for (size_t k = 0; k < names.size(); ++k) {
+      TORCH_CHECK_VALUE(counts[k] >= 0 && h + static_cast<size_t>(counts[k]) <= hashes.size(),
+                        "RerunFingerprints: counts say more hashes than the ", hashes.size(),
+                        " given");
+      trainsan::RerunFingerprints::Output o{std::move(names[k]), std::move(types[k]), {}};
+      for (int64_t j = 0; j < counts[k]; ++j)
+        o.hashes.push_back(static_cast<uint64_t>(hashes[h++]));
+      fp.outputs.push_back(std::move(o));
+    }
+    TORCH_CHECK_VALUE(h == hashes.size(), "RerunFingerprints: ", hashes.size() - h,
+                      " hashes left over after the counts");
+    for (size_t k = 0; k < grad_names.size(); ++k) {
+      fp.grads.emplace_back(std::move(grad_names[k]), static_cast<uint64_t>(grad_hashes[k]));
+    }
+  }
+};
+
+using Fingerprints = c10::intrusive_ptr<RerunFingerprintsHolder>;
+
+// Where the runs first differ, as RerunFacts' fields (where, tensor, type, position, checked);
+// where = -1 when they agree.
+std::tuple<int64_t, std::string, std::string, int64_t, int64_t> compare_reruns_op(
+    const Fingerprints& step, const Fingerprints& first, const Fingerprints& second) {
+  const std::optional<trainsan::RerunFacts> f =
+      trainsan::compare_reruns(step->fp, first->fp, second->fp);
+  if (!f) return {-1, "", "", 0, 0};
+  return {static_cast<int64_t>(f->where), f->tensor, f->type, f->position, f->checked};
+}
+
+// CustomGradResult's figures: (analytic, central, curvature, scale, unit, noise, low_precision).
+std::tuple<double, double, double, double, double, double, bool> directional_figures_op(
+    std::vector<at::Tensor> u, const at::Tensor& v, std::vector<at::Tensor> y0,
+    std::vector<at::Tensor> yp, std::vector<at::Tensor> ym, const std::optional<at::Tensor>& grad,
+    double eps) {
+  const trainsan::CustomGradResult r =
+      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps);
+  return {r.analytic, r.central, r.curvature, r.scale, r.unit, r.noise, r.low_precision};
+}
+
+// The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
+// then that of their complements): (outcome, then per differing tensor its field, name, what and
+// whether it is shown, the fields to gather from every rank, grads_compared, grads_differ,
+// forwards_differ).
+std::tuple<int64_t, std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>,
+           c10::List<bool>, std::vector<int64_t>, bool, bool, bool>
+judge_replica_payload_op(const at::Tensor& payload, std::vector<std::string> members,
+                         std::vector<std::string> buffers, std::vector<std::string> known_whats,
+                         std::vector<std::string> known_tensors) {
+  TORCH_CHECK_VALUE(
+      payload.dim() == 1 && payload.scalar_type() == at::kLong && payload.numel() % 2 == 0,
+      "judge_replica_payload: payload must be a 1-D int64 tensor of even length "
+      "(a row, then its complement), got ",
+      payload.sizes(), " ", payload.scalar_type());
+  TORCH_CHECK_VALUE(known_whats.size() == known_tensors.size(),
+                    "judge_replica_payload: known_whats and known_tensors differ in length");
+  const at::Tensor p = payload.to(at::kCPU).contiguous();
+  const int64_t* d = p.const_data_ptr<int64_t>();
+  const auto n = static_cast<size_t>(p.numel() / 2);
+  std::vector<int64_t> hi(d, d + n), lo;
+  for (size_t k = 0; k < n; ++k) lo.push_back(~d[n + k]);
+  std::vector<std::pair<std::string, std::string>> known;
+  for (size_t k = 0; k < known_whats.size(); ++k)
+    known.emplace_back(known_whats[k], known_tensors[k]);
+  trainsan::ReplicaVerdict v;
+  try {
+    v = trainsan::judge_replica_payload(hi, lo, members, buffers, known);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  std::vector<int64_t> fields;
+  std::vector<std::string> tensors, whats;
+  c10::List<bool> shown;
+  for (const auto& x : v.differ) {
+    fields.push_back(x.field);
+    tensors.push_back(x.tensor);
+    whats.push_back(x.what);
+    shown.push_back(x.shown);
+  }
+  return {static_cast<int64_t>(v.outcome),
+          fields,
+          tensors,
+          whats,
+          shown,
+          v.fetch,
+          v.grads_compared,
+          v.grads_differ,
+          v.forwards_differ};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trainsan, m) {
+  m.class_<RerunFingerprintsHolder>("RerunFingerprints")
+      .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
+  m.def("compare_reruns", &compare_reruns_op);
+  m.def("directional_eps(Tensor x, bool low_precision) -> float",
+        [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
+  m.def(
+      "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
+      "Tensor? grad, float eps) -> (float, float, float, float, float, float, bool)",
+      &directional_figures_op);
+  m.def("judge_replica_payload", &judge_replica_payload_op);
+  m.def("replica_labels(int[] values) -> int[]",
+        [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });
+}

@@ -1,0 +1,31 @@
+// The default random generators' states, saved and put back: what the re-runs (rerun.cpp) and the
+// custom-Function gradcheck (custom_grad.cpp) evaluate under, so that the training's own random
+// stream is left as they found it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace trainsan::host {
+
+class RngState {
+ public:
+  /// The CPU generator's state and those of the CUDA devices `cuda` (their default generators).
+  static RngState capture(const std::vector<c10::DeviceIndex>& cuda);
+  /// Seeds the same generators as torch.manual_seed does (CPU, and `cuda`'s).
+  static void seed(uint64_t seed, const std::vector<c10::DeviceIndex>& cuda);
+  void restore() const;
+
+ private:
+  at::Tensor cpu_;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda_;
+};
+
+/// The CUDA devices of `tensors` (undefined ones skipped), ascending and each once.
+std::vector<c10::DeviceIndex> cuda_devices(const std::vector<at::Tensor>& tensors);
+
+}  // namespace trainsan::host
