@@ -63,8 +63,7 @@ Source cpp_source() {
       } else {
         char off[32];
         std::snprintf(off, sizeof(off), "+0x%llx", static_cast<unsigned long long>(lib->second));
-        s.file = basename(lib->first) + off;
-        s.where = lib->first + off;
+        s.where = lib->first + off;  // not in the finding's name: it moves with every build
       }
       if (!func.empty()) s.where += " in " + func;
       break;
