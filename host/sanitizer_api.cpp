@@ -1,0 +1,308 @@
+// The public front door (trainsan::Sanitizer): each event hands its facts to SanitizerImpl
+// (sanitizer.cpp, sanitizer_pass.cpp) and ends by reporting the new findings with the policy's
+// answer (report()).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "sanitizer_impl.h"
+
+namespace trainsan {
+// ---------------------------------------------------------------------------------------------
+// The front door
+
+namespace {
+
+std::vector<Parameter> in_one_optimizer(const Sanitizer::NamedTensors& named) {
+  std::vector<Parameter> out;
+  for (const auto& [name, t] : named) out.push_back({name, t, 0});
+  return out;
+}
+
+}  // namespace
+
+Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
+    : Sanitizer(in_one_optimizer(named_parameters), std::move(options), Setup{}) {}
+
+Sanitizer::Sanitizer(std::vector<Parameter> parameters, Options options, Setup setup)
+    : impl_(std::make_unique<host::SanitizerImpl>(std::move(parameters), std::move(options),
+                                                  std::move(setup))) {}
+
+Sanitizer::~Sanitizer() {
+  if (!impl_) return;  // moved from
+  try {
+    impl_->close();
+  } catch (...) {
+  }
+}
+
+Sanitizer::Sanitizer(Sanitizer&&) noexcept = default;
+Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
+
+void Sanitizer::report() {
+  impl_->add_overhead(impl_->audit->take_overhead());
+  for (const Finding& f : impl_->store.take_fresh()) {
+    // A finding printed when it was found (an op about to fail on it) is not raised or printed
+    // again by close(): the job already saw it, and close() may run while the op's own error
+    // propagates.
+    if (impl_->closed && impl_->store.was_said(f)) continue;
+    const Action a = policy_action(impl_->opts.policy, f);
+    if (impl_->setup.report) {
+      impl_->setup.report(f, a);
+    } else if (a == Action::kRaise) {
+      // An uncaught error ends the program without unwinding (std::terminate): the trace gets
+      // its summary now (close() writes a later one if the program goes on; readers keep the last).
+      impl_->write_summary();
+      throw TrainingBugError(f);
+    } else if (a == Action::kWarn) {
+      host::print_finding(f);
+    }
+  }
+}
+
+void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
+                           const std::vector<bool>& module_eval) {
+  if (impl_->watch) {
+    // trainsan::attach: the forward is seen by the watch, with its own grad mode and the modules'
+    // modes; these inputs are fingerprinted then.
+    impl_->pending_inputs = inputs;
+    impl_->watch->arm();
+    return;
+  }
+  impl_->check_updates_outside_step(-1);
+  report();
+  if (rerun_due()) impl_->capture_rerun_start();
+  forward(ForwardFacts{true, inputs, module_eval});
+}
+
+void Sanitizer::watch_loss(const at::Tensor& loss) {
+  impl_->loss(loss);
+  report();
+}
+
+void Sanitizer::end_step(bool lr_zero) {
+  if (!impl_->watch) {
+    step_end(0, lr_zero);
+    return;
+  }
+  impl_->end_iteration(/*backward_ran=*/false);
+  report();
+}
+
+void Sanitizer::end_step(const at::Tensor& loss) { end_step(std::vector<at::Tensor>{loss}); }
+
+void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
+  if (impl_->closed) return;
+  bool backward_ran = false;
+  for (const at::Tensor& loss : losses) {
+    if (!loss.defined()) continue;
+    impl_->loss(loss);
+    backward_ran = backward_ran || loss.requires_grad();
+  }
+  if (impl_->watch) {
+    impl_->end_iteration(backward_ran);
+  } else {
+    impl_->step_end(0, /*lr_zero=*/false, /*manual=*/false);
+  }
+  report();
+}
+
+void Sanitizer::forward(const ForwardFacts& facts) {
+  impl_->forward(facts);
+  report();
+}
+
+void Sanitizer::step_begin(int64_t opt) {
+  impl_->grads.set_in_step(true);
+  impl_->check_updates_outside_step(opt);
+  report();
+}
+
+void Sanitizer::step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr) {
+  impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
+  report();
+}
+
+void Sanitizer::step_in_flight(int64_t opt) {
+  if (impl_->closed) return;
+  impl_->grads.set_in_step(true);
+  if (std::find(impl_->in_flight.begin(), impl_->in_flight.end(), opt) == impl_->in_flight.end()) {
+    impl_->in_flight.push_back(opt);
+  }
+}
+
+void Sanitizer::loss_targets(const std::vector<at::Tensor>& targets) { impl_->targets(targets); }
+
+void Sanitizer::amp_skip(int64_t opt) {
+  ScalerStep s;
+  s.opt = opt;
+  s.skipped = true;
+  scaler_step(s);
+}
+
+void Sanitizer::scaler_step(const ScalerStep& step) {
+  if (impl_->closed) return;
+  impl_->events_seen.insert("amp_scale_collapse");
+  impl_->scaler_step(step);
+  report();
+}
+
+bool Sanitizer::provenance_armed() const {
+  return !impl_->closed && impl_->checks.origins.armed(impl_->step);
+}
+
+void Sanitizer::provenance(const Provenance& facts) {
+  if (impl_->closed) return;
+  Provenance p = facts;
+  p.step = impl_->step;
+  impl_->checks.precision.on_provenance(p);
+  report();
+}
+
+void Sanitizer::local_shards(const std::vector<int64_t>& indices,
+                             const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK_VALUE(indices.size() == params.size() && indices.size() == grads.size(),
+                    "local_shards: indices, params and grads differ in length");
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const int64_t i = indices[k];
+    TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < impl_->params.size(),
+                      "local_shards: no parameter ", i);
+    impl_->params[i].local = params[k];
+    impl_->params[i].local_grad = grads[k];
+  }
+}
+
+void Sanitizer::grad_accumulated(int64_t index) {
+  TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < impl_->params.size(),
+                    "grad_accumulated: no parameter ", index);
+  if (!impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(index));
+}
+
+void Sanitizer::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs) {
+  impl_->events_seen.insert("nonfinite_activation");
+  impl_->module_output(module, outputs);
+  report();
+}
+
+void Sanitizer::check_target(const std::string& op, const at::Tensor& input,
+                             const at::Tensor& target, std::optional<int64_t> ignore_index,
+                             int64_t num_classes) {
+  if (!impl_->closed) {
+    impl_->audit->check_target(op, input, target, ignore_index, num_classes, impl_->step);
+  }
+  report();
+}
+
+void Sanitizer::saved_tensor_changed(const SavedTensorChange& change) {
+  if (!impl_->closed) impl_->checks.autograd.on_saved_tensor_changed(change, impl_->step);
+  report();
+}
+
+void Sanitizer::custom_grad_result(const CustomGradResult& result) {
+  impl_->events_seen.insert("bad_custom_grad");
+  if (!impl_->closed) impl_->checks.autograd.on_custom_grad(result, impl_->step);
+  report();
+}
+
+void Sanitizer::compare_replicas() { impl_->replicas = impl_->opts.enabled("rank_desync"); }
+
+std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
+  if (wait_all && !impl_->closed) impl_->readback.drain_all();
+  std::vector<StepFingerprints> out;
+  out.swap(impl_->fingerprints);
+  return out;
+}
+
+void Sanitizer::replica_report(const ReplicaReport& r) {
+  impl_->events_seen.insert("rank_desync");
+  if (!impl_->closed) impl_->checks.replicas.on_report(r);
+  report();
+}
+
+bool Sanitizer::inplace_check_step() const {
+  return !impl_->closed && !impl_->grads.in_step() &&
+         impl_->opts.enabled("inplace_before_backward") &&
+         impl_->checks.autograd.inplace_sampled(impl_->step);
+}
+
+std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts) {
+  return host::judge_checkpoint(facts);
+}
+
+void Sanitizer::checkpoint(const CheckpointFacts& facts) {
+  if (impl_->closed) return;
+  impl_->events_seen.insert("bad_checkpoint");
+  impl_->checks.checkpoint.on_checkpoint(facts, impl_->step);
+  report();
+}
+
+bool Sanitizer::rerun_due() const {
+  return !impl_->closed && impl_->opts.enabled("nondeterminism") &&
+         impl_->checks.determinism.rerun_due(impl_->step);
+}
+
+void Sanitizer::rerun_result(const RerunFacts& facts) {
+  if (impl_->closed) return;
+  impl_->events_seen.insert("nondeterminism");
+  impl_->checks.determinism.on_rerun(facts, impl_->step);
+  report();
+}
+
+void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
+                            const std::vector<int64_t>& steps) {
+  if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);
+}
+
+void Sanitizer::resume(const ResumeFacts& facts) {
+  if (impl_->closed) return;
+  impl_->events_seen.insert("optimizer_reset");
+  if (facts.moment == ResumeFacts::Moment::kModelLoad) impl_->checks.inputs.on_resume(impl_->step);
+  impl_->checks.resume.on_resume(facts, impl_->step);
+  report();
+}
+
+bool Sanitizer::headroom_due() const {
+  const int64_t every = impl_->opts.headroom_every;
+  return !impl_->closed && impl_->trace.is_open() && every > 0 && impl_->step % every == 0;
+}
+
+void Sanitizer::trace_record(const std::string& json_object) {
+  TORCH_CHECK_VALUE(!json_object.empty() && json_object.front() == '{' &&
+                        json_object.back() == '}' && json_object.find('\n') == std::string::npos,
+                    "trace_record: expected one JSON object on one line");
+  if (!impl_->closed) impl_->trace.line(json_object);
+}
+
+bool Sanitizer::gradcheck_step() const {
+  return !impl_->closed && !impl_->grads.in_step() && impl_->opts.enabled("bad_custom_grad") &&
+         impl_->checks.autograd.gradcheck_sampled(impl_->step);
+}
+
+void Sanitizer::add_overhead(double seconds) { impl_->add_overhead(seconds); }
+
+void Sanitizer::close() {
+  impl_->close();
+  report();
+}
+
+std::vector<Finding> Sanitizer::findings() const { return impl_->store.all(); }
+
+std::map<std::string, TensorStats> Sanitizer::last_stats() const { return impl_->last; }
+
+int64_t Sanitizer::step() const { return impl_->step; }
+
+double Sanitizer::overhead_seconds() const { return impl_->overhead_s; }
+
+bool Sanitizer::hooks_installed() const { return impl_->grads.installed(); }
+
+bool Sanitizer::auditing() const { return impl_->audit->auditing(); }
+
+void Sanitizer::pause_audit(bool paused) { host::OpAudit::pause_this_thread(paused); }
+
+Coverage Sanitizer::coverage() const { return impl_->coverage_now(); }
+
+ModelBinding* Sanitizer::binding() const { return impl_->setup.binding.get(); }
+
+}  // namespace trainsan
