@@ -7,7 +7,6 @@ optimizer; each calls into C++ once per event. The per-parameter gradient hooks 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -18,12 +17,11 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _compile, _native
+from . import _compile
+from ._tables import ACTIONS, KIND_ON, KINDS, OPTIONS, Options, option_str
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
 from .stats import TensorStats
-
-_native.load()
 
 __all__ = [
     "Finding",
@@ -36,45 +34,6 @@ __all__ = [
     "KINDS",
     "Options",
 ]
-
-def _kind_table() -> dict:
-    names, severities, _on, _families, _rules = torch.ops.trainsan.kinds()
-    return dict(zip(names, severities))
-
-
-def _option_table() -> dict:
-    names, types, defaults, _choices, _docs = torch.ops.trainsan.options()
-    parse = {
-        "str": str,
-        "int": int,
-        "float": float,
-        "bool": lambda v: v == "true",
-    }
-    return {n: parse[t](d) for n, t, d in zip(names, types, defaults)}
-
-
-#: The finding kinds TrainSan implements and their severities, from the C++ table
-#: (host/include/trainsan/kinds.def).
-KINDS: dict = _kind_table()
-
-#: Every option with its default, from the C++ table (host/include/trainsan/options.def);
-#: ``policy`` and ``trace`` are :func:`attach`'s own arguments, the rest its keyword options.
-OPTIONS: dict = _option_table()
-
-#: The options as a dataclass (``trainsan.Options()`` holds the defaults), generated from the
-#: same table.
-Options = dataclasses.make_dataclass(
-    "Options", [(n, type(v), dataclasses.field(default=v)) for n, v in OPTIONS.items()]
-)
-Options.__doc__ = "TrainSan's options and their defaults (the README documents each rule)."
-
-# Modules whose forward depends on train/eval (Note [Mode rules] in host/checks/mode.cpp).
-_MODE_SENSITIVE = (
-    torch.nn.modules.dropout._DropoutNd,
-    torch.nn.modules.batchnorm._BatchNorm,
-    torch.nn.modules.instancenorm._InstanceNorm,
-)
-
 
 from ._facts import (  # noqa: E402
     _flat_tensors,
@@ -106,11 +65,8 @@ from ._patches import (  # noqa: E402
 )
 
 
-_KIND_ON = dict(zip(*(torch.ops.trainsan.kinds()[k] for k in (0, 2))))  # kind -> on by default
-
 # model -> weakref to its open sanitizer (weak both ways: Note [Sanitizer lifetime])
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-_ACTIONS = ("none", "warn", "raise")  # trainsan::Action, as the op library returns it
 _NO_IDS: frozenset = frozenset()
 
 
@@ -342,12 +298,12 @@ class Sanitizer:
             raise ValueError(
                 "trainsan.attach: the model has no parameters; attach to the module you train"
             )
-        opts = {k: _opt_str(v) for k, v in options.items()}
+        opts = {k: option_str(v) for k, v in options.items()}
         opts["policy"] = policy
         if trace:
             opts["trace"] = os.fspath(trace)
         for kind, on in checks.items():
-            opts["check." + kind] = _opt_str(bool(on))
+            opts["check." + kind] = option_str(bool(on))
         _check_optimizers_hold_model(self._optimizers, params)
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
@@ -472,16 +428,16 @@ class Sanitizer:
 
     @staticmethod
     def _enabled(kind: str, checks: dict) -> bool:
-        return bool(checks.get(kind, _KIND_ON[kind]))
+        return bool(checks.get(kind, KIND_ON[kind]))
 
     # -- events ---------------------------------------------------------------------------------
 
     def _apply(self, reports) -> None:
         """Map the policy's answers (decided in C++) to an exception or a warning."""
         for t, action in reports:
-            if _ACTIONS[action] == "raise":
+            if ACTIONS[action] == "raise":
                 raise TrainingBugError(Finding._from_tuple(t))
-            if _ACTIONS[action] == "warn":
+            if ACTIONS[action] == "warn":
                 warnings.warn(t[4], TrainingBugWarning, stacklevel=3)
 
     def _on_forward(self, module, args, kwargs):
@@ -993,14 +949,6 @@ def attached(model: torch.nn.Module) -> Optional[Sanitizer]:
     ref = _attached.get(_compile.unwrap_compiled(model))
     san = ref() if ref is not None else None
     return None if san is None or san.closed else san
-
-
-def _opt_str(v: Any) -> str:
-    if v is None:
-        return "0"  # overhead_budget=None, grad_explosion_limit=None: none
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
 
 
 def attach(
