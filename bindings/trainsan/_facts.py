@@ -210,6 +210,7 @@ def _skip_frames() -> list:
     here = os.path.dirname(os.path.abspath(__file__))
     return [
         os.path.join(here, "sanitizer.py"),
+        os.path.join(here, "_hooks.py"),
         os.path.join(here, "audit.py"),
         os.path.join(here, "autograd_checks.py"),
         os.path.join(here, "_compile.py"),

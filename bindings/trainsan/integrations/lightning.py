@@ -25,7 +25,7 @@ runs before the LightningModule's own ``on_train_batch_start``: a train/eval swi
 seen only by a step that calls ``self(x)``.
 
 Seen as in a plain loop: automatic optimization (the forward and backward run inside
-``optimizer.step(closure)``: Note [Closure steps] in bindings/trainsan/sanitizer.py), manual
+``optimizer.step(closure)``: Note [Closure steps] in bindings/trainsan/_hooks.py), manual
 optimization (``self.optimizers()``, ``self.manual_backward(loss)``, ``opt.step()``: the
 LightningOptimizer calls the torch optimizer's step), ``accumulate_grad_batches`` (silent),
 validation loops (eval mode, ``no_grad``: silent), gradient clipping, precision plugins
