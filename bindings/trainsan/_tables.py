@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -61,3 +62,13 @@ def option_str(v: Any) -> str:
         return "true" if v else "false"
     return str(v)
 
+
+def option_strings(options: dict, policy: str, trace: Any, checks: dict) -> dict:
+    """attach()'s options, policy, trace and checks as the C++ sanitizer takes them."""
+    opts = {k: option_str(v) for k, v in options.items()}
+    opts["policy"] = policy
+    if trace:
+        opts["trace"] = os.fspath(trace)
+    for kind, on in checks.items():
+        opts["check." + kind] = option_str(bool(on))
+    return opts

@@ -251,6 +251,37 @@ def gather(obj: Any, source: str, model: Optional[torch.nn.Module] = None,
     return f
 
 
+def holds_model(obj, model: torch.nn.Module) -> bool:
+    """Whether a saved object holds the model, or tensors sharing its parameters' storage (its
+    state_dict(), or one of its wrapper's)."""
+    ptrs = set()
+    for p in model.parameters():
+        try:
+            ptrs.add(p.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001 - a parameter without storage (meta, some subclasses)
+            pass
+    ptrs.discard(0)
+    mods = {id(m) for m in model.modules()}
+
+    def walk(o, depth: int) -> bool:
+        if depth > 4:
+            return False
+        if isinstance(o, torch.nn.Module):
+            return id(o) in mods or any(id(m) in mods for m in o.modules())
+        if isinstance(o, torch.Tensor):
+            try:
+                return o.untyped_storage().data_ptr() in ptrs
+            except Exception:  # noqa: BLE001
+                return False
+        if isinstance(o, dict):
+            return any(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return any(walk(v, depth + 1) for v in o)
+        return False
+
+    return walk(obj, 0)
+
+
 # -- the standalone check ---------------------------------------------------------------------
 
 

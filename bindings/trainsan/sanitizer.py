@@ -7,7 +7,6 @@ optimizer; each calls into C++ once per event. The per-parameter gradient hooks 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -19,9 +18,10 @@ import torch
 
 from . import _compile
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
-from ._tables import ACTIONS, KIND_ON, KINDS, OPTIONS, Options, option_str
+from ._tables import ACTIONS, KIND_ON, KINDS, OPTIONS, Options, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
+from .checkpoint import gather, holds_model
 from .stats import TensorStats
 
 __all__ = [
@@ -37,18 +37,23 @@ __all__ = [
 ]
 
 from ._facts import (  # noqa: E402
+    _check_optimizers_hold_model,
     _flat_tensors,
+    _fsdp_sharded_ids,
+    _fsdp_unsharded_ids,
     _group_lrs,
     _header_extra,
     _is_dtensor,
     _local,
+    _loss_targets,
     _mode_modules,
+    _param_table,
     _skip_frames,
     _steps_in_flight,
 )
 from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
 from .determinism import Rerun  # noqa: E402
-from .precision import Provenance, range_record, range_rows  # noqa: E402
+from .precision import Provenance, write_headroom  # noqa: E402
 from .replicas import ReplicaComparison  # noqa: E402
 from .resume import ResumeWatch, inputs_of_trace, resume_patch  # noqa: E402
 from .replicas import active as replicas_active  # noqa: E402
@@ -122,28 +127,12 @@ class Sanitizer:
         self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
-        names, params, opt_index, group_index = [], [], [], []
-        where = {}  # id(param) -> (optimizer, group)
-        for k, opt in enumerate(self._optimizers):
-            for gi, g in enumerate(opt.param_groups):
-                for p in g["params"]:
-                    where.setdefault(id(p), (k, gi))
-        for name, p in model.named_parameters():
-            names.append(name)
-            params.append(p)
-            k, gi = where.get(id(p), (-1, 0))
-            opt_index.append(k)
-            group_index.append(gi)
+        names, params, opt_index, group_index = _param_table(model, self._optimizers)
         if not params:
             raise ValueError(
                 "trainsan.attach: the model has no parameters; attach to the module you train"
             )
-        opts = {k: option_str(v) for k, v in options.items()}
-        opts["policy"] = policy
-        if trace:
-            opts["trace"] = os.fspath(trace)
-        for kind, on in checks.items():
-            opts["check." + kind] = option_str(bool(on))
+        opts = option_strings(options, policy, trace, checks)
         _check_optimizers_hold_model(self._optimizers, params)
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
@@ -419,7 +408,10 @@ class Sanitizer:
         self._py_overhead += time.perf_counter() - t0
         reports = self._handle.step_end(k, lr0, self._take_overhead(), lrs)
         if k in self._headroom_at:
-            self._write_headroom(k, self._headroom_at.pop(k))
+            t0 = time.perf_counter()
+            step = self._headroom_at.pop(k)
+            write_headroom(self._handle, self._tracked, self._opt_index, k, step)
+            self._py_overhead += time.perf_counter() - t0
         if self._replicas is not None:
             t0 = time.perf_counter()
             self._replicas.on_step(k, skipped=False)
@@ -429,37 +421,14 @@ class Sanitizer:
     def _check_save(self, obj, f) -> None:
         """torch.save(obj, f) while attached (Note [Checkpoint checks]): judged before writing
         when obj holds this model's tensors."""
-        if self._closed or not _holds_model(obj, self._model):
+        if self._closed or not holds_model(obj, self._model):
             return
         t0 = time.perf_counter()
-        from .checkpoint import gather
-
         where = os.fspath(f) if isinstance(f, (str, os.PathLike)) else type(f).__name__
         facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
                        part_ok=True)
         self._py_overhead += time.perf_counter() - t0
         self._apply(self._handle.checkpoint(*facts.args()))
-
-    def _write_headroom(self, k: int, step: int) -> None:
-        """Note [Precision headroom]: range counts of optimizer k's weights (after the step)
-        and gradients, as trace records."""
-        t0 = time.perf_counter()
-        try:
-            items = []
-            for (name, p), opt in zip(self._tracked, self._opt_index):
-                if opt != k or not p.is_floating_point():
-                    continue
-                items.append(("weight", name, p))
-                g = p.grad
-                if g is not None and g.is_floating_point() and g.layout == torch.strided:
-                    items.append(("grad", name, g))
-            rows = range_rows([t for _, _, t in items])
-            for (what, name, t), row in zip(items, rows):
-                self._handle.trace_record(json.dumps(range_record(step, what, name, t.dtype, row)))
-        except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
-            warnings.warn(f"trainsan: precision headroom skipped at step {step} "
-                          f"({type(exc).__name__}: {exc})", stacklevel=3)
-        self._py_overhead += time.perf_counter() - t0
 
     def _activation(self, name: str, module, args, output):
         if self._closed or not torch.is_grad_enabled():
@@ -510,16 +479,7 @@ class Sanitizer:
         if not self._tracing:
             return
         t0 = time.perf_counter()
-        found, seen, frontier = [], set(), [getattr(loss, "grad_fn", None)]
-        while frontier and len(seen) < 16:
-            node = frontier.pop(0)
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            t = getattr(node, "_saved_target", None)
-            if isinstance(t, torch.Tensor):
-                found.append(_local(t))
-            frontier += [n for n, _ in getattr(node, "next_functions", ())]
+        found = _loss_targets(loss)
         if found:
             self._handle.loss_targets(found)
         self._py_overhead += time.perf_counter() - t0
@@ -701,87 +661,6 @@ class Sanitizer:
                 self.close()
         except Exception:
             pass
-
-
-def _holds_model(obj, model: torch.nn.Module) -> bool:
-    """Whether a saved object holds the model, or tensors sharing its parameters' storage (its
-    state_dict(), or one of its wrapper's)."""
-    ptrs = set()
-    for p in model.parameters():
-        try:
-            ptrs.add(p.untyped_storage().data_ptr())
-        except Exception:  # noqa: BLE001 - a parameter without storage (meta, some subclasses)
-            pass
-    ptrs.discard(0)
-    mods = {id(m) for m in model.modules()}
-
-    def walk(o, depth: int) -> bool:
-        if depth > 4:
-            return False
-        if isinstance(o, torch.nn.Module):
-            return id(o) in mods or any(id(m) in mods for m in o.modules())
-        if isinstance(o, torch.Tensor):
-            try:
-                return o.untyped_storage().data_ptr() in ptrs
-            except Exception:  # noqa: BLE001
-                return False
-        if isinstance(o, dict):
-            return any(walk(v, depth + 1) for v in o.values())
-        if isinstance(o, (list, tuple)):
-            return any(walk(v, depth + 1) for v in o)
-        return False
-
-    return walk(obj, 0)
-
-
-def _fsdp_params(model: torch.nn.Module) -> list:
-    """FSDP2's per-parameter records (FSDPParam) of the model's fully_shard()ed modules; empty
-    without FSDP2."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:  # noqa: BLE001 - torch without distributed
-        return []
-    out = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                out.extend(group.fsdp_params)
-    return out
-
-
-def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
-    """ids of the FSDP2 sharded parameters of the model (fully_shard)."""
-    return {id(fp.sharded_param) for fp in _fsdp_params(model)}
-
-
-def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
-    """ids of the unsharded parameters FSDP2 swaps in during forward and backward (those that
-    exist yet)."""
-    return {id(u) for fp in _fsdp_params(model) if (u := getattr(fp, "_unsharded_param", None))
-            is not None}
-
-
-def _check_optimizers_hold_model(optimizers, params) -> None:
-    """An optimizer that holds none of the model's parameters updates tensors the model does not
-    use: it was built before the parameters were replaced (fully_shard, distribute_module, ...)."""
-    ids = {id(p) for p in params}
-    for k, opt in enumerate(optimizers):
-        held = [p for g in opt.param_groups for p in g["params"]]
-        if held and not any(id(p) in ids for p in held):
-            sharded = any(_is_dtensor(p) for p in params) and not any(_is_dtensor(p) for p in held)
-            raise ValueError(
-                f"trainsan.attach: optimizer[{k}] holds none of the model's parameters "
-                f"({len(held)} tensor(s), none of them in model.parameters()) — "
-                + ("the model's parameters are sharded DTensors and the optimizer's are not: "
-                   "it was built before fully_shard (or distribute_module) replaced them, so it "
-                   "updates tensors the model no longer uses; build the optimizer after "
-                   "fully_shard(model)"
-                   if sharded else
-                   "it was built before the model's parameters were replaced (fully_shard, "
-                   "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
-                   "another model; build it from model.parameters() of the model you train")
-            )
 
 
 def attached(model: torch.nn.Module) -> Optional[Sanitizer]:
