@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import os
 
-from .sanitizer import (
-    KINDS,
-    OPTIONS,
-    Finding,
-    Options,
-    Sanitizer,
-    TrainingBugError,
-    TrainingBugWarning,
-    attach,
-    attached,
-)
+from ._attach import attach, attached
+from ._findings import Finding, TrainingBugError, TrainingBugWarning
+from ._tables import KINDS, OPTIONS, Options
+from .checkpoint import CheckpointReport, check_checkpoint
+from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
-from .checkpoint import CheckpointReport, check_checkpoint  # noqa: E402
 
 
 def _version() -> str:

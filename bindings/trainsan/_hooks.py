@@ -6,8 +6,8 @@ Note [Sanitizer lifetime]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Nothing TrainSan installs holds the sanitizer strongly: the module and optimizer hooks are
 _Hook objects that call it through a weak reference, and the process-wide registries
-(_attached in sanitizer.py, _watchers and _open_sanitizers in _patches.py) hold it weakly. So a
-sanitizer the user drops without close() is garbage-collected, and its finalizer (__del__ -> close()) removes every
+(_attached, _watchers, _open_sanitizers in _patches.py) hold it weakly. So a sanitizer the user
+drops without close() is garbage-collected, and its finalizer (__del__ -> close()) removes every
 hook and writes the trace summary: the model is left as it was and can be attached again.
 Dropping the object returned by attach() at once (`trainsan.attach(model, opt)` as a statement)
 would check nothing, so the finalizer warns when it closes a sanitizer nobody closed.
