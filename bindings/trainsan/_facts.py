@@ -244,6 +244,7 @@ def _skip_frames() -> list:
     return [
         os.path.join(here, "sanitizer.py"),
         os.path.join(here, "_hooks.py"),
+        os.path.join(here, "_gatherers.py"),
         os.path.join(here, "_attach.py"),
         os.path.join(here, "audit.py"),
         os.path.join(here, "autograd_checks.py"),

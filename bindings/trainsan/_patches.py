@@ -49,6 +49,25 @@ _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" =
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
+def register(san) -> None:
+    """An open sanitizer: the patches' events (and its optimizers' GradScaler steps) reach it."""
+    for opt in san._optimizers:
+        _watchers.setdefault(opt, weakref.WeakSet()).add(san)
+    _open_sanitizers.add(san)
+
+
+def unregister(san) -> None:
+    """A closed sanitizer: out of every registry (attach() may attach its model again)."""
+    for opt in san._optimizers:
+        ws = _watchers.get(opt, [])
+        if san in ws:
+            ws.remove(san)
+    _open_sanitizers.discard(san)
+    ref = _attached.get(san._model)
+    if ref is not None and ref() in (san, None):
+        del _attached[san._model]
+
+
 def attached_to(model: torch.nn.Module) -> Optional[Any]:
     """The open sanitizer attach() attached to `model` (the module itself), or None."""
     ref = _attached.get(model)

@@ -3,6 +3,9 @@
 Python registers one forward pre-hook on the root module and step pre/post hooks on each
 optimizer; each calls into C++ once per event. The per-parameter gradient hooks live in C++
 (post-hooks on the parameters' AccumulateGrad nodes), so no Python runs per parameter per step.
+What else gathers facts for the C++ checks (the label guard, the autograd checks, the replica
+comparison, the re-runs, the resume facts, overflow provenance) and the process-wide patches
+the sanitizer holds are members of one list (Note [Gatherers] in _gatherers.py).
 """
 
 from __future__ import annotations
@@ -16,13 +19,26 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _compile
+from . import _compile, _patches
+from ._facts import (_check_optimizers_hold_model, _flat_tensors, _fsdp_sharded_ids,
+                     _fsdp_unsharded_ids, _group_lrs, _header_extra, _is_dtensor, _local,
+                     _loss_targets, _mode_modules, _param_table, _skip_frames, _steps_in_flight)
+from ._findings import Finding, TrainingBugError, TrainingBugWarning
+from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
+                         Reruns, Resumes, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
-from ._tables import ACTIONS, KIND_ON, KINDS, OPTIONS, Options, option_strings
+from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
+                       _scaler_patch, _step_counts)
+from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
 from .checkpoint import gather, holds_model
-from .stats import TensorStats
+from .determinism import Rerun
+from .precision import Provenance, write_headroom
+from .replicas import ReplicaComparison
+from .replicas import active as replicas_active
+from .resume import ResumeWatch, inputs_of_trace, resume_patch
+from .stats import TensorStats, _unpack
 
 __all__ = [
     "Finding",
@@ -33,40 +49,6 @@ __all__ = [
     "KINDS",
     "Options",
 ]
-
-from ._facts import (  # noqa: E402
-    _check_optimizers_hold_model,
-    _flat_tensors,
-    _fsdp_sharded_ids,
-    _fsdp_unsharded_ids,
-    _group_lrs,
-    _header_extra,
-    _is_dtensor,
-    _local,
-    _loss_targets,
-    _mode_modules,
-    _param_table,
-    _skip_frames,
-    _steps_in_flight,
-)
-from ._findings import Finding, TrainingBugError, TrainingBugWarning  # noqa: E402
-from .determinism import Rerun  # noqa: E402
-from .precision import Provenance, write_headroom  # noqa: E402
-from .replicas import ReplicaComparison  # noqa: E402
-from .resume import ResumeWatch, inputs_of_trace, resume_patch  # noqa: E402
-from .replicas import active as replicas_active  # noqa: E402
-from ._patches import (  # noqa: E402
-    _attached,
-    _data_restarts,
-    _forward_clock,
-    _loader_patch,
-    _loss_patch,
-    _open_sanitizers,
-    _save_patch,
-    _scaler_patch,
-    _step_counts,
-    _watchers,
-)
 
 _NO_IDS: frozenset = frozenset()
 
@@ -89,21 +71,15 @@ class Sanitizer:
         self._model = model
         self._optimizers = list(optimizers)
         self._closed = False
+        # Note [Gatherers]: what close() releases, in the order the events call it. An __init__
+        # that raises is still close()d (by __del__): only what was installed is in the list.
+        self._parts: list = []
+        self._calls = event_calls([])
         self._tracing = bool(trace)  # a trace is written: step fingerprints of the targets
-        self._getstate_patched = False
-        self._compile_patched = False
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
         self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
-        # Set once this sanitizer holds a reference on the GradScaler patch: an __init__ that
-        # raises (bad trace path, bad option) is still close()d by __del__, and must not release
-        # a reference it never took (the count would go negative and AMP skips go unseen).
-        self._scaler_patched = False
-        self._loss_patched = False  # likewise for the backward patch (Note [Loss roots])
         self._last_train_forward = -1  # _forward_clock at this model's latest training forward
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
-        self._handles: list = []
-        self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
-        self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
         names, params, opt_index, group_index = _param_table(model, self._optimizers)
@@ -141,13 +117,13 @@ class Sanitizer:
             locals_,
             external,
         )
+        handle = self._handle
+        hooks = Hooks()
+        self._parts.append(hooks)
         for k, p in enumerate(params):
             if external[k]:
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(
-                        lambda _p, k=k, h=self._handle: h.grad_accumulated(k)
-                    )
-                )
+                hooks.add(p.register_post_accumulate_grad_hook(
+                    lambda _p, k=k, h=handle: h.grad_accumulated(k)))
         self._dt_params = [params[k] for k in self._dt_index]
         # Policy "raise": class-index targets are checked before the loss runs
         # (trainsan/audit.py) — targets on a CPU always (a host read, no sync), device targets
@@ -157,61 +133,48 @@ class Sanitizer:
         self._label_guard = (
             LabelGuard(_weak_method(self._check_target), host_only=not sync)
             if policy == "raise"
-            and (self._enabled("label_range", checks) or self._enabled("batch_mismatch", checks))
+            and (enabled("label_range", checks) or enabled("batch_mismatch", checks))
             else None
         )
-        _getstate_patch.acquire()
-        self._getstate_patched = True
-        self._handles.append(
-            model.register_forward_pre_hook(_Hook(self, "_on_forward"), with_kwargs=True)
-        )
+        if self._label_guard is not None:
+            self._parts.append(LabelWindow(self._label_guard, handle))
+        self._parts.append(Held(_getstate_patch))
+        hooks.add(model.register_forward_pre_hook(_Hook(self, "_on_forward"), with_kwargs=True))
         for k, opt in enumerate(self._optimizers):
-            self._handles.append(opt.register_step_pre_hook(_Hook(self, "_pre_step", k)))
-            self._handles.append(opt.register_step_post_hook(_Hook(self, "_post_step", k)))
-            _watchers.setdefault(opt, weakref.WeakSet()).add(self)
-        if self._enabled("nonfinite_activation", checks):
+            hooks.add(opt.register_step_pre_hook(_Hook(self, "_pre_step", k)))
+            hooks.add(opt.register_step_post_hook(_Hook(self, "_post_step", k)))
+        if enabled("nonfinite_activation", checks):
             for n, m in model.named_modules():
                 if not list(m.children()):
-                    self._handles.append(m.register_forward_hook(_Hook(self, "_activation", n)))
-        _scaler_patch.acquire()
-        self._scaler_patched = True
-        _loader_patch.acquire()
-        self._loader_patched = True
+                    hooks.add(m.register_forward_hook(_Hook(self, "_activation", n)))
+        self._parts.append(Held(_scaler_patch))
+        self._parts.append(Held(_loader_patch))
         # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
         # custom-Function gradcheck (opt-in, gradcheck_every).
-        self._saved_check = (
-            SavedTensorCheck(
-                self._handle,
+        if enabled("inplace_before_backward", checks):
+            self._parts.append(SavedTensors(SavedTensorCheck(
+                handle,
                 {id(p): n for n, p in zip(names, params)},
                 {id(b) for b in model.buffers()},
                 _weak_method(self._apply),
                 _weak_method(self._add_py),
-            )
-            if self._enabled("inplace_before_backward", checks)
-            else None
-        )
-        self._gradcheck = (
-            CustomGradCheck(self._handle, _weak_method(self._apply), _weak_method(self._add_py))
-            if self._enabled("bad_custom_grad", checks)
-            and int(options.get("gradcheck_every", OPTIONS["gradcheck_every"])) > 0
-            else None
-        )
+            ), handle))
+        if (enabled("bad_custom_grad", checks)
+                and int(options.get("gradcheck_every", OPTIONS["gradcheck_every"])) > 0):
+            self._parts.append(CustomGrads(CustomGradCheck(
+                handle, _weak_method(self._apply), _weak_method(self._add_py)), handle))
         self._param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
         self._opt_index = list(opt_index)
-        self._live_checked = False  # _check_params_live() at the first step
-        _loss_patch.acquire()
-        self._loss_patched = True
-        _save_patch.acquire()
-        self._save_patched = True
-        resume_patch.acquire()
-        self._resume_patched = True
-        self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
+        self._parts.append(ParamsLive(model, self._tracked))  # at the first step
+        self._parts.append(Held(_loss_patch))
+        self._parts.append(Held(_save_patch))
+        self._parts.append(Held(resume_patch))
         if seen_inputs is not None:
-            self._handle.inputs_seen(*seen_inputs)
-        _open_sanitizers.add(self)
-        _compile.compile_patch.acquire()
-        self._compile_patched = True
+            handle.inputs_seen(*seen_inputs)
+        _patches.register(self)
+        self._parts.append(Held(_compile.compile_patch,
+                                lambda: _compile.unwrap_compiled_call(model)))
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
         # is part of it, and its post-hook comes without a pre-hook (_make_post_step).
         self._stepping: set = set()
@@ -219,12 +182,12 @@ class Sanitizer:
         self._closures: dict = {}  # optimizer index -> its step's _StepClosure
         self._line_search: set = set()  # optimizers that evaluate a closure several times a step
         for k in _steps_in_flight(self._optimizers):
-            self._handle.step_in_flight(k)
+            handle.step_in_flight(k)
         # rank_desync (Note [Replica comparison], replicas.py): a distributed run's replicas.
         self._replicas: Optional[ReplicaComparison] = None
-        if self._enabled("rank_desync", checks) and replicas_active():
+        if enabled("rank_desync", checks) and replicas_active():
             self._replicas = ReplicaComparison(
-                self._handle,
+                handle,
                 model,
                 names,
                 params,
@@ -233,10 +196,14 @@ class Sanitizer:
                 _weak_method(self._apply),
                 lambda: _forward_clock[0],
             )
-
-    @staticmethod
-    def _enabled(kind: str, checks: dict) -> bool:
-        return bool(checks.get(kind, KIND_ON[kind]))
+            self._parts.append(Replicas(self._replicas))
+        self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
+        self._parts.append(Reruns(self._rerun))
+        self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
+        self._parts.append(Resumes(self._resume))
+        self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
+        self._parts.append(Provenances(self._prov))
+        self._calls = event_calls(self._parts)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -261,35 +228,12 @@ class Sanitizer:
         found = self._handle.forward(
             training, inputs, module_eval, self._take_overhead(), _data_restarts[0]
         )
-        if self._label_guard is not None:
-            if torch.is_grad_enabled() and training and self._handle.auditing():
-                self._label_guard.push()
-            else:
-                self._label_guard.pop()
-        if training and torch.is_grad_enabled():
-            self._autograd_window()
-            self._rerun.begin_forward(args, kwargs)
-            self._prov.begin_forward()
+        train = training and torch.is_grad_enabled()
+        for call in self._calls["on_forward"]:
+            call(args, kwargs, train)
         self._py_overhead += time.perf_counter() - t0
         self._apply(found)
         return None
-
-    def _autograd_window(self) -> None:
-        """A training forward: open the sampled windows of the autograd checks (they last until
-        the optimizer step; the saved-tensor check's fingerprints until backward starts)."""
-        if self._saved_check is not None:
-            if self._handle.inplace_check_step():
-                self._saved_check.begin()
-            else:
-                self._saved_check.end()
-        if self._gradcheck is not None:
-            self._gradcheck.begin(self._handle.gradcheck_step(), self._handle.step())
-
-    def _end_autograd_window(self) -> None:
-        if getattr(self, "_saved_check", None) is not None:
-            self._saved_check.end()
-        if getattr(self, "_gradcheck", None) is not None:
-            self._gradcheck.end()
 
     def _add_py(self, seconds: float) -> None:
         self._py_overhead += seconds
@@ -313,19 +257,11 @@ class Sanitizer:
         return None
 
     def _begin_step(self, k: int) -> None:
-        if self._label_guard is not None:
-            self._label_guard.pop()
-        self._end_autograd_window()
-        if not self._live_checked and not self._closed:
-            self._live_checked = True
-            self._check_params_live()
+        # Every member, also once closed (each is a no-op then, but for windows still to end).
+        for call in self._calls["before_step"]:
+            call(k)
         if not self._closed:
-            if self._replicas is not None:
-                self._replicas.first_step()
             self._stepping.add(k)
-            self._rerun.before_step()
-            self._resume.first_step(k)
-            self._prov.read_all()
             if self._handle.headroom_due():
                 self._headroom_at[k] = self._handle.step()
             self._apply(self._handle.step_begin(k))
@@ -339,22 +275,6 @@ class Sanitizer:
         if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._fsdp_ids):
             self._unsharded_ids = _fsdp_unsharded_ids(self._model)
         return self._unsharded_ids
-
-    def _check_params_live(self) -> None:
-        """At the first step: the attached parameters must still be the model's. fully_shard,
-        distribute_module, to_empty or load_state_dict(assign=True) after attach() replace them:
-        the hooks and statistics would watch tensors the model no longer uses."""
-        live = {id(p) for p in self._model.parameters()}
-        gone = [n for n, p in self._tracked if id(p) not in live]
-        if gone:
-            raise RuntimeError(
-                f"trainsan: {len(gone)} of the {len(self._tracked)} parameters attached are no "
-                f"longer the model's (e.g. {gone[0]!r}): they were replaced after attach() "
-                "(fully_shard, distribute_module, to_empty, load_state_dict(assign=True), "
-                "parametrizations?), so TrainSan would watch tensors the model no longer uses. "
-                "Replace them first, build the optimizer on the model as it is then, and attach "
-                "last (for FSDP2: fully_shard, then the optimizer, then trainsan.attach)"
-            )
 
     def _post_step(self, k: int, opt, args, kwargs):
         if k in self._amp_skipping:
@@ -391,9 +311,10 @@ class Sanitizer:
             step = self._headroom_at.pop(k)
             write_headroom(self._handle, self._tracked, self._opt_index, k, step)
             self._py_overhead += time.perf_counter() - t0
-        if self._replicas is not None:
+        if self._calls["after_step"]:
             t0 = time.perf_counter()
-            self._replicas.on_step(k, skipped=False)
+            for call in self._calls["after_step"]:
+                call(k, False)
             self._py_overhead += time.perf_counter() - t0
         self._apply(reports)
 
@@ -424,11 +345,12 @@ class Sanitizer:
         if self._closed or opt not in self._optimizers:
             return
         k = self._optimizers.index(opt)
-        if skipped:
-            self._prov.read_all()  # the skipped step's flags, before the scaler's finding
+        for call in self._calls["on_scaler"]:
+            call(k, skipped)
         self._apply(self._handle.scaler_step(k, skipped, scale))
-        if skipped and self._replicas is not None:
-            self._replicas.on_step(k, skipped=True)
+        if skipped:
+            for call in self._calls["after_step"]:
+                call(k, True)
 
     def _first_watch(self, loss: torch.Tensor) -> bool:
         """True the first time this tensor object is seen since the last step (Note [Loss
@@ -448,13 +370,14 @@ class Sanitizer:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
         if self._closed or not self._first_watch(loss):
             return
-        self._prov.read_forward()
+        for call in self._calls["on_loss"]:
+            call(loss)
         self._apply(self._handle.loss(_local(loss)))
         self._targets(loss)
 
     def _targets(self, loss: torch.Tensor) -> None:
-        """The targets the loss was computed against (the `_saved_target` of the loss nodes
-        nearest the root), for the trace's step fingerprints; only when a trace is written."""
+        """The targets the loss was computed against, for the trace's step fingerprints; only
+        when a trace is written."""
         if not self._tracing:
             return
         t0 = time.perf_counter()
@@ -483,7 +406,8 @@ class Sanitizer:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"watch_loss: expected a tensor, got {type(loss).__name__}")
         if not self._closed and self._first_watch(loss):
-            self._prov.read_forward()
+            for call in self._calls["on_loss"]:
+                call(loss)
             self._apply(self._handle.loss(_local(loss)))
             self._targets(loss)
         return loss
@@ -550,8 +474,6 @@ class Sanitizer:
         ``"<param>.update"`` (for the update, ``l2``/``absmax`` are ‖Δθ‖ and max|Δθ|, ``zero`` the
         number of unchanged elements)."""
         names, ints, floats = self._handle.last_stats()
-        from .stats import _unpack
-
         return dict(zip(names, _unpack(ints, floats)))
 
     def close(self) -> None:
@@ -559,53 +481,18 @@ class Sanitizer:
         if self._closed:
             return
         self._closed = True
-        guard = getattr(self, "_label_guard", None)
-        if guard is not None:
-            guard.pop()
-        self._end_autograd_window()
-        if getattr(self, "_gradcheck", None) is not None:
-            self._gradcheck.close()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if getattr(self, "_prov", None) is not None:
-            self._prov.close()
-        if getattr(self, "_rerun", None) is not None:
-            self._rerun._clear()
-        for opt in self._optimizers:
-            ws = _watchers.get(opt, [])
-            if self in ws:
-                ws.remove(self)
-        if self._scaler_patched:
-            self._scaler_patched = False
-            _scaler_patch.release()
-        if getattr(self, "_loader_patched", False):
-            self._loader_patched = False
-            _loader_patch.release()
-        _open_sanitizers.discard(self)
-        if getattr(self, "_loss_patched", False):
-            self._loss_patched = False
-            _loss_patch.release()
-        if getattr(self, "_save_patched", False):
-            self._save_patched = False
-            _save_patch.release()
-        if getattr(self, "_resume_patched", False):
-            self._resume_patched = False
-            resume_patch.release()
-        ref = _attached.get(self._model)
-        if ref is not None and ref() in (self, None):
-            del _attached[self._model]
-        if self._getstate_patched:
-            self._getstate_patched = False
-            _getstate_patch.release()
-        if self._compile_patched:
-            self._compile_patched = False
-            _compile.unwrap_compiled_call(self._model)
-            _compile.compile_patch.release()
+        _patches.unregister(self)
+        # Every member of the list (Note [Gatherers]): each gatherer closed, each hook removed,
+        # each patch released, also when one of them fails (raised after the others).
         found: list = []
-        replicas = getattr(self, "_replicas", None)
-        if replicas is not None:
-            found = replicas.close()  # its findings are raised with close()'s own
+        error: Optional[BaseException] = None
+        for part in self._parts:
+            try:
+                found += part.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+        if error is not None:
+            raise error
         self._apply(found + list(self._handle.close()))
 
     @property
