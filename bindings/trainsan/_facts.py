@@ -17,6 +17,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ._findings import TrainingBugError
+
+
 def _is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -257,8 +260,6 @@ def run_guarded(fn: Callable, args: tuple, what: str, on_failure: Callable[[], N
     """Run fn(*args) for a check's own machinery: a finding (TrainingBugError) goes through; any
     other failure calls on_failure() (the check stops) and becomes a warning naming `what`,
     never an exception in the training loop TrainSan watches."""
-    from ._findings import TrainingBugError
-
     try:
         fn(*args)
     except TrainingBugError:

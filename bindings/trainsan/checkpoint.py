@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from ._findings import Finding
+from .stats import tensor_stats
 
 _MAX_DEPTH = 5
 # Optimizer state entries shaped like their parameter (torch.optim's Adam/AdamW/NAdam/RAdam/Adamax,
@@ -87,8 +88,6 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _nonfinite(tensors: list) -> dict:
     """path -> non-finite count of the floating tensors (one fused statistics pass)."""
-    from .stats import tensor_stats
-
     floats = [(p, t) for p, t in tensors
               if t.is_floating_point() and t.layout == torch.strided and not t.is_meta]
     out = {}

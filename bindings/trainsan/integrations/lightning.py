@@ -42,6 +42,7 @@ Tested with lightning 2.6.6 (scripts/install_deps.sh).
 
 from __future__ import annotations
 
+import trainsan
 
 from . import _common
 
@@ -59,8 +60,6 @@ class _TrainSanImpl(_common.CallbackBase):
     # -- Trainer events -------------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import trainsan
-
         _common.close_quietly(self.sanitizer)  # a previous fit() that ended oddly
         self.sanitizer = None
         strategy = getattr(trainer, "strategy", None)
