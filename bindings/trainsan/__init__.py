@@ -10,19 +10,12 @@ import os
 
 import torch
 
-from .sanitizer import (
-    KINDS,
-    OPTIONS,
-    Finding,
-    Options,
-    Sanitizer,
-    TrainingBugError,
-    TrainingBugWarning,
-    attach,
-    attached,
-)
+from ._attach import attach, attached
+from ._findings import Finding, TrainingBugError, TrainingBugWarning
+from ._tables import KINDS, OPTIONS, Options
+from .checkpoint import CheckpointReport, check_checkpoint
+from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
-from .checkpoint import CheckpointReport, check_checkpoint  # noqa: E402
 
 
 def _version() -> str:

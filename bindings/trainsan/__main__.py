@@ -5,20 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
+import trainsan
+
+from . import checkpoint, demo, launcher
+from .html_report import write_html
+from .report import TraceError, diff_runs, precision, rank_traces, report_many
+from .tensorboard import export_many
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "demo":
-        from . import demo as demo_mod
-
-        return demo_mod.main(argv[1:])
+        return demo.main(argv[1:])
     if argv and argv[0] == "run":
-        from . import launcher
-
         return launcher.main(argv[1:])
     if argv and argv[0] == "check":
-        from . import checkpoint
-
         return checkpoint.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trainsan", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -47,30 +50,20 @@ def main(argv: list[str] | None = None) -> int:
                    "(run [options] script.py [args] | -m module [args]; run --help)")
     args = parser.parse_args(argv)
     if args.cmd == "info":
-        import torch
-
-        import trainsan
-
         print(f"trainsan {trainsan.__version__}, torch {torch.__version__}, "
               f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
               f"CUDA device visible: {torch.cuda.is_available()}")
         print(f"CMake prefix path (find_package(trainsan)): {trainsan.cmake_prefix_path}")
         return 0
-    from .report import TraceError, diff_runs, precision, rank_traces, report_many
-
     try:
         if args.cmd == "report":
             paths = [p for t in args.trace for p in rank_traces(t)]
             print(report_many(paths, args.png))
             if args.html:
-                from .html_report import write_html
-
                 print(write_html(paths, args.html))
         elif args.cmd == "precision":
             print(precision(args.trace, args.what))
         elif args.cmd == "tensorboard":
-            from .tensorboard import export_many
-
             print(export_many(args.traces, args.logdir))
         else:
             print(diff_runs(args.a, args.b))

@@ -48,6 +48,8 @@ import weakref
 
 import torch
 
+from ._patches import Patch, _open_sanitizers, attached_to
+
 is_compiling = torch.compiler.is_compiling
 
 
@@ -70,9 +72,8 @@ def unwrap_compiled(model):
 
 
 def _open_sanitizer_of(module):
-    from .sanitizer import attached  # (sanitizer.py imports this module)
-
-    return attached(module)
+    """trainsan.attached(module)."""
+    return attached_to(unwrap_compiled(module))
 
 
 def _compiled_forward(san, module, call, args, kwargs):
@@ -131,8 +132,6 @@ class _CompilePatch:
     torch._dynamo is loaded (a second Patch, held while the first is)."""
 
     def __init__(self):
-        from ._patches import Patch
-
         self.users = 0
         self._base = Patch(
             lambda: [
@@ -183,8 +182,6 @@ class _CompilePatch:
                 )
             except Exception:  # noqa: BLE001 - an older/newer dynamo: no late guard switch-off
                 self._callback = None
-        from ._patches import _open_sanitizers
-
         for san in list(_open_sanitizers):
             for ref in san._eager_hooks:
                 h = ref()
@@ -198,8 +195,6 @@ compile_patch = _CompilePatch()
 def _compile_start(*_args) -> None:
     """dynamo starts compiling a frame: if a label guard is pushed now, compiled code runs in its
     window (a function compiled before attach): that guard stays off from now on."""
-    from ._patches import _open_sanitizers
-
     for san in list(_open_sanitizers):
         g = san._label_guard
         if g is not None and g._active:
@@ -217,8 +212,6 @@ def _torch_compile(orig):
         ):
             # A compiled function (a loss, a train step, optimizer.step) may run inside the label
             # window: the label guard stays off.
-            from ._patches import _open_sanitizers
-
             for san in list(_open_sanitizers):
                 if san._label_guard is not None:
                     san._label_guard.compiled = True

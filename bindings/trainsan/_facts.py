@@ -1,6 +1,7 @@
 """Facts the Python hooks gather for the C++ sanitizer: the model's mode-dependent modules and the
-parameters they own, a forward's tensor inputs, per-group learning rates, steps in flight, the
-trace header's provenance, and the source frames to skip. No rule lives here."""
+parameters they own, a forward's tensor inputs, a loss's targets, per-group learning rates, steps
+in flight, the trace header's provenance, the source frames to skip, and what FSDP2 and DTensor
+make of the parameters. No rule lives here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ._findings import TrainingBugError
+
+
 def _is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -28,6 +32,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """This process's data of a tensor: a DTensor's local shard (for a replicated loss, the whole
     value), a plain tensor itself."""
     return t._local_tensor if _is_dtensor(t) else t
+
+
+def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
+    """The model's parameters as the C++ sanitizer registers them: (names, parameters, the index
+    of each one's optimizer (-1: none), of its param group)."""
+    names, params, opt_index, group_index = [], [], [], []
+    where = {}  # id(param) -> (optimizer, group)
+    for k, opt in enumerate(optimizers):
+        for gi, g in enumerate(opt.param_groups):
+            for p in g["params"]:
+                where.setdefault(id(p), (k, gi))
+    for name, p in model.named_parameters():
+        names.append(name)
+        params.append(p)
+        k, gi = where.get(id(p), (-1, 0))
+        opt_index.append(k)
+        group_index.append(gi)
+    return names, params, opt_index, group_index
 
 
 def _mode_dependent(m: torch.nn.Module) -> bool:
@@ -202,6 +224,20 @@ def _steps_in_flight(optimizers: Sequence[torch.optim.Optimizer]) -> list:
     return found
 
 
+def _loss_targets(loss: torch.Tensor) -> list:
+    """The targets the loss was computed against: the `_saved_target` of the loss nodes nearest
+    the root (this process's part of each)."""
+    found, seen, frontier = [], set(), [getattr(loss, "grad_fn", None)]
+    while frontier and len(seen) < 16:
+        node = frontier.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        t = getattr(node, "_saved_target", None)
+        if isinstance(t, torch.Tensor):
+            found.append(_local(t))
+        frontier += [n for n, _ in getattr(node, "next_functions", ())]
+    return found
 
 
 def _skip_frames() -> list:
@@ -210,6 +246,9 @@ def _skip_frames() -> list:
     here = os.path.dirname(os.path.abspath(__file__))
     return [
         os.path.join(here, "sanitizer.py"),
+        os.path.join(here, "_hooks.py"),
+        os.path.join(here, "_gatherers.py"),
+        os.path.join(here, "_attach.py"),
         os.path.join(here, "audit.py"),
         os.path.join(here, "autograd_checks.py"),
         os.path.join(here, "_compile.py"),
@@ -217,13 +256,10 @@ def _skip_frames() -> list:
     ]
 
 
-
 def run_guarded(fn: Callable, args: tuple, what: str, on_failure: Callable[[], None]) -> None:
     """Run fn(*args) for a check's own machinery: a finding (TrainingBugError) goes through; any
     other failure calls on_failure() (the check stops) and becomes a warning naming `what`,
     never an exception in the training loop TrainSan watches."""
-    from ._findings import TrainingBugError
-
     try:
         fn(*args)
     except TrainingBugError:
@@ -232,3 +268,56 @@ def run_guarded(fn: Callable, args: tuple, what: str, on_failure: Callable[[], N
         on_failure()
         warnings.warn(f"trainsan: {what} stops: {type(exc).__name__}: {exc}; the other checks "
                       "go on", stacklevel=4)
+
+
+# -- FSDP2 and DTensor -------------------------------------------------------------------------
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """FSDP2's per-parameter records (FSDPParam) of the model's fully_shard()ed modules; empty
+    without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return []
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.extend(group.fsdp_params)
+    return out
+
+
+def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
+    """ids of the FSDP2 sharded parameters of the model (fully_shard)."""
+    return {id(fp.sharded_param) for fp in _fsdp_params(model)}
+
+
+def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
+    """ids of the unsharded parameters FSDP2 swaps in during forward and backward (those that
+    exist yet)."""
+    return {id(u) for fp in _fsdp_params(model) if (u := getattr(fp, "_unsharded_param", None))
+            is not None}
+
+
+def _check_optimizers_hold_model(optimizers, params) -> None:
+    """An optimizer that holds none of the model's parameters updates tensors the model does not
+    use: it was built before the parameters were replaced (fully_shard, distribute_module, ...)."""
+    ids = {id(p) for p in params}
+    for k, opt in enumerate(optimizers):
+        held = [p for g in opt.param_groups for p in g["params"]]
+        if held and not any(id(p) in ids for p in held):
+            sharded = any(_is_dtensor(p) for p in params) and not any(_is_dtensor(p) for p in held)
+            raise ValueError(
+                f"trainsan.attach: optimizer[{k}] holds none of the model's parameters "
+                f"({len(held)} tensor(s), none of them in model.parameters()) — "
+                + ("the model's parameters are sharded DTensors and the optimizer's are not: "
+                   "it was built before fully_shard (or distribute_module) replaced them, so it "
+                   "updates tensors the model no longer uses; build the optimizer after "
+                   "fully_shard(model)"
+                   if sharded else
+                   "it was built before the model's parameters were replaced (fully_shard, "
+                   "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
+                   "another model; build it from model.parameters() of the model you train")
+            )

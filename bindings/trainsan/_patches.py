@@ -1,11 +1,12 @@
 """Process-wide patches (Patch), each installed while at least one sanitizer is open (reference
 counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
-(Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots])."""
+(Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
+registries of open sanitizers they and the compile entry (_compile.py) look sanitizers up in."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -39,10 +40,44 @@ class Patch:
             self._saved = []
 
 
+# The open sanitizers, held weakly (Note [Sanitizer lifetime] in _hooks.py).
+_open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
+# optimizer -> the sanitizers watching it (its GradScaler steps)
+_watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = (
+    weakref.WeakKeyDictionary())
+# model -> weakref to the sanitizer attach() attached to it
+_attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def register(san) -> None:
+    """An open sanitizer: the patches' events (and its optimizers' GradScaler steps) reach it."""
+    for opt in san._optimizers:
+        _watchers.setdefault(opt, weakref.WeakSet()).add(san)
+    _open_sanitizers.add(san)
+
+
+def unregister(san) -> None:
+    """A closed sanitizer: out of every registry (attach() may attach its model again)."""
+    for opt in san._optimizers:
+        ws = _watchers.get(opt, [])
+        if san in ws:
+            ws.remove(san)
+    _open_sanitizers.discard(san)
+    ref = _attached.get(san._model)
+    if ref is not None and ref() in (san, None):
+        del _attached[san._model]
+
+
+def attached_to(model: torch.nn.Module) -> Optional[Any]:
+    """The open sanitizer attach() attached to `model` (the module itself), or None."""
+    ref = _attached.get(model)
+    san = ref() if ref is not None else None
+    return None if san is None or san.closed else san
+
+
 # GradScaler.step is wrapped while any sanitizer is open, to tell an AMP skip (the scaler found
 # Inf/NaN and did not call optimizer.step) from a forgotten optimizer.step().
 _step_counts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
-_watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
 def _scale_of(scaler, skipped: bool) -> float:
@@ -155,7 +190,6 @@ _loader_patch = Patch(_loader_iteration)
 # unattached probe model, a fine-tuned copy) is not its loss. The leaves the graph reaches are
 # the attached parameters, or, under FSDP2, the unsharded parameters FSDP swaps in for them
 # (Sanitizer._grad_leaf_ids). torch.autograd.grad roots are not followed.
-_open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
 _WALK_LIMIT = 20000
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from ._findings import Finding
+from .stats import tensor_stats
 
 _MAX_DEPTH = 5
 # Optimizer state entries shaped like their parameter (torch.optim's Adam/AdamW/NAdam/RAdam/Adamax,
@@ -87,8 +88,6 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _nonfinite(tensors: list) -> dict:
     """path -> non-finite count of the floating tensors (one fused statistics pass)."""
-    from .stats import tensor_stats
-
     floats = [(p, t) for p, t in tensors
               if t.is_floating_point() and t.layout == torch.strided and not t.is_meta]
     out = {}
@@ -249,6 +248,37 @@ def gather(obj: Any, source: str, model: Optional[torch.nn.Module] = None,
     if optims:
         _compare_optimizers(f, optims, list(optimizers or []), model)
     return f
+
+
+def holds_model(obj, model: torch.nn.Module) -> bool:
+    """Whether a saved object holds the model, or tensors sharing its parameters' storage (its
+    state_dict(), or one of its wrapper's)."""
+    ptrs = set()
+    for p in model.parameters():
+        try:
+            ptrs.add(p.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001 - a parameter without storage (meta, some subclasses)
+            pass
+    ptrs.discard(0)
+    mods = {id(m) for m in model.modules()}
+
+    def walk(o, depth: int) -> bool:
+        if depth > 4:
+            return False
+        if isinstance(o, torch.nn.Module):
+            return id(o) in mods or any(id(m) in mods for m in o.modules())
+        if isinstance(o, torch.Tensor):
+            try:
+                return o.untyped_storage().data_ptr() in ptrs
+            except Exception:  # noqa: BLE001
+                return False
+        if isinstance(o, dict):
+            return any(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return any(walk(v, depth + 1) for v in o)
+        return False
+
+    return walk(obj, 0)
 
 
 # -- the standalone check ---------------------------------------------------------------------

@@ -206,7 +206,7 @@ class Provenance:
                     range_record(self._step, "output", name or "(model)", dtype, row)))
         except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
             warnings.warn(f"trainsan: precision headroom of module outputs skipped "
-                          f"({type(exc).__name__}: {exc})", stacklevel=4)
+                          f"({type(exc).__name__}: {exc})", stacklevel=3)
 
     def read_all(self) -> None:
         """Before the step (or a scaler skip, or the next forward): both passes' flags."""
@@ -411,3 +411,24 @@ def range_record(step: int, what: str, name: str, dtype: torch.dtype, row: tuple
     for k, name_ in enumerate(FORMATS):
         rec[name_] = ints[3 + 3 * k: 6 + 3 * k]
     return rec
+
+
+def write_headroom(handle, tracked: list, opt_index: list, k: int, step: int) -> None:
+    """Note [Precision headroom]: range counts of optimizer k's weights (after the step) and
+    gradients, as trace records; `tracked`: the attached (name, parameter) pairs, `opt_index`
+    each one's optimizer."""
+    try:
+        items = []
+        for (name, p), opt in zip(tracked, opt_index):
+            if opt != k or not p.is_floating_point():
+                continue
+            items.append(("weight", name, p))
+            g = p.grad
+            if g is not None and g.is_floating_point() and g.layout == torch.strided:
+                items.append(("grad", name, g))
+        rows = range_rows([t for _, _, t in items])
+        for (what, name, t), row in zip(items, rows):
+            handle.trace_record(json.dumps(range_record(step, what, name, t.dtype, row)))
+    except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
+        warnings.warn(f"trainsan: precision headroom skipped at step {step} "
+                      f"({type(exc).__name__}: {exc})", stacklevel=3)

@@ -56,6 +56,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._facts import _is_dtensor, _local, run_guarded
+from ._tables import OPTIONS
 from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
@@ -180,8 +181,6 @@ class ReplicaComparison:
 
     def __init__(self, handle, model: torch.nn.Module, names: list, params: list,
                  optimizers: list, options: dict, apply: Callable, forwards: Callable[[], int]):
-        from .sanitizer import OPTIONS
-
         dist = _dist()
         self._handle = handle
         self._apply = apply

@@ -8,6 +8,8 @@ import os
 import re
 from typing import Iterator, Optional
 
+from .precision import FORMATS
+
 
 class TraceError(ValueError):
     """A trace file is missing or malformed; the message names the file and line."""
@@ -202,8 +204,6 @@ HEADROOM_SUB = 0.01  # ... at most 1% land in the subnormal range, and none over
 
 def _headroom_cells(recs: list) -> dict:
     """format -> (safe, text) over a tensor's sampled records (the worst of each class)."""
-    from .precision import FORMATS
-
     out = {}
     counted = [r for r in recs if r["nonzero"]]
     for fmt in FORMATS:
@@ -229,8 +229,6 @@ def _by_tensor(ranges: list) -> dict:
 
 
 def headroom_summary(ranges: list) -> str:
-    from .precision import FORMATS
-
     tensors = _by_tensor(ranges)
     steps = sorted({r["step"] for r in ranges})
     safe = {f: 0 for f in FORMATS}
@@ -244,8 +242,6 @@ def headroom_summary(ranges: list) -> str:
 
 def precision(path: str, what: Optional[str] = None) -> str:
     """The precision-headroom table of a trace: per tensor, whether its values fit each format."""
-    from .precision import FORMATS
-
     ranges = load_trace(path)["ranges"]
     if not ranges:
         raise TraceError(f"{path} holds no precision-headroom records: they are written with a "

@@ -17,8 +17,10 @@ from typing import Any, Optional
 
 import torch
 
+from ._findings import TrainingBugError
 from ._patches import Patch, _open_sanitizers
 from .checkpoint import state_mismatches
+from .report import TraceError, read_trace
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
 _REMEMBERED = 8  # torch.load results remembered
@@ -99,8 +101,6 @@ def _owners(module: torch.nn.Module) -> list:
 
 
 def _guard(fn, *args) -> None:
-    from ._findings import TrainingBugError
-
     try:
         fn(*args)
     except TrainingBugError:
@@ -282,8 +282,6 @@ def _prefix(missing: list, unexpected: list) -> tuple:
 def inputs_of_trace(path: str) -> tuple:
     """resume_trace: the input fingerprints (as int64 bits) and steps of the run this one
     resumes, from its trace; ValueError naming the option when it cannot be read."""
-    from .report import TraceError, read_trace
-
     hashes, steps = [], []
     try:
         for rec in read_trace(path):

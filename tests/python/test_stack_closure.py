@@ -1,6 +1,6 @@
 """Closure-driven steps: the forward and backward run inside ``optimizer.step(closure)``, as
 Lightning's automatic optimization does every step (Note [Closure steps] in
-bindings/trainsan/sanitizer.py). Each scenario runs twice, as a plain loop and as a closure loop
+bindings/trainsan/_hooks.py). Each scenario runs twice, as a plain loop and as a closure loop
 with the same data, and must give the same findings; clean loops must be silent."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (copy.deepcopy), whole-module pickling (torch.save(model)), a sanitizer dropped without close(),
 models built on the meta device, and wrapped optimizers (accelerate's AcceleratedOptimizer,
 Lightning's LightningOptimizer: an object holding the torch optimizer in ``.optimizer``).
-Note [Sanitizer lifetime] in bindings/trainsan/sanitizer.py."""
+Note [Sanitizer lifetime] in bindings/trainsan/_hooks.py."""
 
 from __future__ import annotations
 

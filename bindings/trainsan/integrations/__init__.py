@@ -18,17 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import hf, lightning
+
 __all__ = ["TrainSan", "TrainSanCallback"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "TrainSanCallback":
-        from . import hf
-
         return hf.TrainSanCallback
     if name == "TrainSan":
-        from . import lightning
-
         return lightning.TrainSan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -9,14 +9,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .._tables import OPTIONS
+
 Summary = Union[bool, Callable[[str], Any], None]
 
 
 def check_options(where: str, options: dict) -> dict:
     """The keyword options of trainsan.attach, checked when the callback is made (a misspelt
     option fails at once, not when training starts)."""
-    from ..sanitizer import OPTIONS
-
     valid = set(OPTIONS) | {"checks"}
     unknown = sorted(set(options) - valid)
     if unknown:

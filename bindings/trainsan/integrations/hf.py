@@ -48,6 +48,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import trainsan
+
 from . import _common
 
 __all__ = ["TrainSanCallback"]
@@ -64,8 +66,6 @@ class _TrainSanCallbackImpl(_common.CallbackBase):
     # -- Trainer events -------------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        import trainsan
-
         # A previous train() that raised left its sanitizer open (no callback runs then).
         _common.close_quietly(self.sanitizer)
         self.sanitizer = None

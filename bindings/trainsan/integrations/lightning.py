@@ -25,7 +25,7 @@ runs before the LightningModule's own ``on_train_batch_start``: a train/eval swi
 seen only by a step that calls ``self(x)``.
 
 Seen as in a plain loop: automatic optimization (the forward and backward run inside
-``optimizer.step(closure)``: Note [Closure steps] in bindings/trainsan/sanitizer.py), manual
+``optimizer.step(closure)``: Note [Closure steps] in bindings/trainsan/_hooks.py), manual
 optimization (``self.optimizers()``, ``self.manual_backward(loss)``, ``opt.step()``: the
 LightningOptimizer calls the torch optimizer's step), ``accumulate_grad_batches`` (silent),
 validation loops (eval mode, ``no_grad``: silent), gradient clipping, precision plugins
@@ -42,6 +42,7 @@ Tested with lightning 2.6.6 (scripts/install_deps.sh).
 
 from __future__ import annotations
 
+import trainsan
 
 from . import _common
 
@@ -59,8 +60,6 @@ class _TrainSanImpl(_common.CallbackBase):
     # -- Trainer events -------------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import trainsan
-
         _common.close_quietly(self.sanitizer)  # a previous fit() that ended oddly
         self.sanitizer = None
         strategy = getattr(trainer, "strategy", None)

@@ -1,0 +1,259 @@
+"""What a Sanitizer holds besides its C++ handle: the gatherers of facts for the C++ checks, the
+hooks it registered and the process-wide patches it holds, all behind one protocol (Gatherer),
+in one list the sanitizer calls in order (Note [Gatherers])."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+# Note [Gatherers]
+# ~~~~~~~~~~~~~~~~
+# A Sanitizer keeps everything it installs or runs besides its own hooks' events in one list of
+# Gatherers and calls every member at each event in the list's order: a training forward, a loss,
+# the beginning of an optimizer step, its end (or the GradScaler's skip of it), a GradScaler step,
+# and close(), which closes every member (each hook removed, each process-wide patch released)
+# before the C++ side writes the summary. The order matters where two members act at the same
+# event: the label guard's window and the autograd checks' windows end before the parameters are
+# checked at the first step, the replicas compare the starting weights before the re-runs, the
+# resume facts and the overflow flags are read (Sanitizer.__init__ builds the list in that
+# order). The adapters below fit the gatherers written before the protocol; a new gatherer can
+# subclass Gatherer itself.
+
+
+class Gatherer:
+    """One member of a sanitizer's list (Note [Gatherers]); every event is a no-op unless
+    overridden. `k` is the optimizer's index among the attached ones."""
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        """A forward of the attached model, after the C++ side saw it; `train`: a training
+        forward (train mode, grad enabled)."""
+
+    def on_loss(self, loss: Any) -> None:
+        """Before a loss (a backward's root, or watch_loss) is judged."""
+
+    def before_step(self, k: int) -> None:
+        """Optimizer k's step begins (before its update and the C++ step_begin)."""
+
+    def after_step(self, k: int, skipped: bool) -> None:
+        """After optimizer k's step was judged, or its GradScaler skipped it (`skipped`)."""
+
+    def on_scaler(self, k: int, skipped: bool) -> None:
+        """A GradScaler step of optimizer k (`skipped`: it found Inf/NaN), before it is judged."""
+
+    def close(self) -> list:
+        """The sanitizer closes: release everything; returns reports to apply with its own."""
+        return []
+
+
+class Hooks(Gatherer):
+    """Hook handles (module, optimizer, parameter hooks), removed at close."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+
+    def add(self, handle) -> None:
+        self.handles.append(handle)
+
+    def close(self) -> list:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        return []
+
+
+class Held(Gatherer):
+    """A process-wide patch (_patches.Patch), held from now until close; `before_release` runs
+    first then."""
+
+    def __init__(self, patch, before_release: Optional[Callable[[], None]] = None) -> None:
+        patch.acquire()
+        self._patch = patch
+        self._before_release = before_release
+
+    def close(self) -> list:
+        if self._patch is not None:
+            patch, self._patch = self._patch, None
+            if self._before_release is not None:
+                self._before_release()
+            patch.release()
+        return []
+
+
+class LabelWindow(Gatherer):
+    """The label guard (audit.LabelGuard) pushed for the audited window: from a training forward
+    the C++ side audits to the optimizer step."""
+
+    def __init__(self, guard, handle) -> None:
+        self._guard = guard
+        self._handle = handle
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if train and self._handle.auditing():
+            self._guard.push()
+        else:
+            self._guard.pop()
+
+    def before_step(self, k: int) -> None:
+        self._guard.pop()
+
+    def close(self) -> list:
+        self._guard.pop()
+        return []
+
+
+class SavedTensors(Gatherer):
+    """inplace_before_backward (autograd_checks.SavedTensorCheck): its saved-tensor hooks on the
+    sampled steps, from the training forward until the step."""
+
+    def __init__(self, check, handle) -> None:
+        self._check = check
+        self._handle = handle
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if not train:
+            return
+        if self._handle.inplace_check_step():
+            self._check.begin()
+        else:
+            self._check.end()
+
+    def before_step(self, k: int) -> None:
+        self._check.end()
+
+    def close(self) -> list:
+        self._check.end()
+        return []
+
+
+class CustomGrads(Gatherer):
+    """bad_custom_grad (autograd_checks.CustomGradCheck): armed on the sampled steps, from the
+    training forward until the step."""
+
+    def __init__(self, check, handle) -> None:
+        self._check = check
+        self._handle = handle
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if train:
+            self._check.begin(self._handle.gradcheck_step(), self._handle.step())
+
+    def before_step(self, k: int) -> None:
+        self._check.end()
+
+    def close(self) -> list:
+        self._check.end()
+        self._check.close()
+        return []
+
+
+class ParamsLive(Gatherer):
+    """At the first step: the attached parameters must still be the model's. fully_shard,
+    distribute_module, to_empty or load_state_dict(assign=True) after attach() replace them: the
+    hooks and statistics would watch tensors the model no longer uses."""
+
+    def __init__(self, model, tracked: list) -> None:
+        self._model = model
+        self._tracked = tracked  # (name, parameter) as attached
+        self._done = False
+
+    def before_step(self, k: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        live = {id(p) for p in self._model.parameters()}
+        gone = [n for n, p in self._tracked if id(p) not in live]
+        if gone:
+            raise RuntimeError(
+                f"trainsan: {len(gone)} of the {len(self._tracked)} parameters attached are no "
+                f"longer the model's (e.g. {gone[0]!r}): they were replaced after attach() "
+                "(fully_shard, distribute_module, to_empty, load_state_dict(assign=True), "
+                "parametrizations?), so TrainSan would watch tensors the model no longer uses. "
+                "Replace them first, build the optimizer on the model as it is then, and attach "
+                "last (for FSDP2: fully_shard, then the optimizer, then trainsan.attach)"
+            )
+
+    def close(self) -> list:
+        self._done = True
+        return []
+
+
+class Replicas(Gatherer):
+    """rank_desync (replicas.ReplicaComparison): the starting weights at the first step, every
+    step event after it, what is pending at close."""
+
+    def __init__(self, comparison) -> None:
+        self.comparison = comparison
+
+    def before_step(self, k: int) -> None:
+        self.comparison.first_step()
+
+    def after_step(self, k: int, skipped: bool) -> None:
+        self.comparison.on_step(k, skipped=skipped)
+
+    def close(self) -> list:
+        return self.comparison.close()
+
+
+class Reruns(Gatherer):
+    """nondeterminism (determinism.Rerun): recorded in the training forward, re-run before the
+    step."""
+
+    def __init__(self, rerun) -> None:
+        self._rerun = rerun
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if train:
+            self._rerun.begin_forward(args, kwargs)
+
+    def before_step(self, k: int) -> None:
+        self._rerun.before_step()
+
+    def close(self) -> list:
+        self._rerun._clear()
+        return []
+
+
+class Resumes(Gatherer):
+    """optimizer_reset (resume.ResumeWatch): an optimizer's first step after a load."""
+
+    def __init__(self, watch) -> None:
+        self._watch = watch
+
+    def before_step(self, k: int) -> None:
+        self._watch.first_step(k)
+
+
+class Provenances(Gatherer):
+    """Overflow provenance and precision headroom (precision.Provenance): armed in the training
+    forward, its flags read before the loss, before the step and at a GradScaler skip."""
+
+    def __init__(self, prov) -> None:
+        self._prov = prov
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if train:
+            self._prov.begin_forward()
+
+    def on_loss(self, loss: Any) -> None:
+        self._prov.read_forward()
+
+    def before_step(self, k: int) -> None:
+        self._prov.read_all()
+
+    def on_scaler(self, k: int, skipped: bool) -> None:
+        if skipped:
+            self._prov.read_all()  # the skipped step's flags, before the scaler's finding
+
+    def close(self) -> list:
+        self._prov.close()
+        return []
+
+
+def event_calls(members: list) -> dict:
+    """event name -> the bound methods of the members that override it, in list order (an event
+    calls only those)."""
+    out = {}
+    for name in ("on_forward", "on_loss", "before_step", "after_step", "on_scaler"):
+        base = getattr(Gatherer, name)
+        out[name] = [getattr(m, name) for m in members if getattr(type(m), name) is not base]
+    return out
