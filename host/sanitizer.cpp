@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <tuple>
 
 #include "nvtx.h"
@@ -63,6 +64,32 @@ const Options& validated(const Options& o) {
   return o;
 }
 
+// Note [Replayed data]'s resume_trace: the input fingerprints of the previous run's step records
+// ("inputs": hex) and their steps. Read before any hook is installed, so that a bad path fails
+// the attach cleanly.
+void read_resume_trace(const std::string& path, std::vector<uint64_t>* hashes,
+                       std::vector<int64_t>* steps) {
+  std::ifstream in(path);
+  TORCH_CHECK_VALUE(in.is_open(), "trainsan: resume_trace='", path,
+                    "' cannot be read (no such file, or not readable): give the trace of the run "
+                    "this one resumes, or leave resume_trace empty");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("\"type\":\"step\"") == std::string::npos) continue;
+    const size_t i = line.find("\"inputs\":\"");
+    const size_t st = line.find("\"step\":");
+    if (i == std::string::npos || st == std::string::npos) continue;
+    try {
+      hashes->push_back(std::stoull(line.substr(i + 10, 16), nullptr, 16));
+      steps->push_back(std::stoll(line.substr(st + 7)));
+    } catch (const std::exception&) {
+      TORCH_CHECK_VALUE(false, "trainsan: resume_trace='", path,
+                        "' is not a TrainSan trace (a step record's inputs or step is malformed): ",
+                        line.substr(0, 200));
+    }
+  }
+}
+
 bool fp16_autocast() {
   for (const auto d : {at::kCUDA, at::kCPU}) {
     if (at::autocast::is_autocast_enabled(d) && at::autocast::get_autocast_dtype(d) == at::kHalf) {
@@ -87,6 +114,12 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
       grads(params, have_optimizer, [this] {
         if (audit) audit->stop();
       }) {
+  if (!opts.resume_trace.empty()) {
+    std::vector<uint64_t> hashes;
+    std::vector<int64_t> steps;
+    read_resume_trace(opts.resume_trace, &hashes, &steps);
+    checks.inputs.seed(hashes, steps);
+  }
   initial_param_norms();
   AuditConfig cfg;
   cfg.broadcast = opts.enabled("broadcast");

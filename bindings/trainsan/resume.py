@@ -20,7 +20,6 @@ import torch
 from ._findings import TrainingBugError
 from ._patches import Patch, _open_sanitizers
 from .checkpoint import state_mismatches
-from .report import TraceError, read_trace
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
 _REMEMBERED = 8  # torch.load results remembered
@@ -277,18 +276,3 @@ def _prefix(missing: list, unexpected: list) -> tuple:
                 if n >= max(1, len(missing) // 2):
                     return p, n
     return "", 0
-
-
-def inputs_of_trace(path: str) -> tuple:
-    """resume_trace: the input fingerprints (as int64 bits) and steps of the run this one
-    resumes, from its trace; ValueError naming the option when it cannot be read."""
-    hashes, steps = [], []
-    try:
-        for rec in read_trace(path):
-            if rec.get("type") == "step" and isinstance(rec.get("inputs"), str):
-                h = int(rec["inputs"], 16)
-                hashes.append(h - (1 << 64) if h >= 1 << 63 else h)
-                steps.append(int(rec["step"]))
-    except (OSError, TraceError) as exc:
-        raise ValueError(f"trainsan.attach: resume_trace={path!r} cannot be read: {exc}") from None
-    return hashes, steps

@@ -37,7 +37,7 @@ from .determinism import Rerun
 from .precision import Provenance, write_headroom
 from .replicas import ReplicaComparison
 from .replicas import active as replicas_active
-from .resume import ResumeWatch, inputs_of_trace, resume_patch
+from .resume import ResumeWatch, resume_patch
 from .stats import TensorStats, _unpack
 
 __all__ = [
@@ -65,9 +65,6 @@ class Sanitizer:
         checks: dict,
         options: dict,
     ):
-        # Read before anything is installed: a bad resume_trace fails attach() cleanly.
-        seen_inputs = (inputs_of_trace(str(options["resume_trace"]))
-                       if options.get("resume_trace") else None)
         self._model = model
         self._optimizers = list(optimizers)
         self._closed = False
@@ -170,8 +167,6 @@ class Sanitizer:
         self._parts.append(Held(_loss_patch))
         self._parts.append(Held(_save_patch))
         self._parts.append(Held(resume_patch))
-        if seen_inputs is not None:
-            handle.inputs_seen(*seen_inputs)
         _patches.register(self)
         self._parts.append(Held(_compile.compile_patch,
                                 lambda: _compile.unwrap_compiled_call(model)))
