@@ -45,13 +45,19 @@ std::set<std::string> kinds(const trainsan::Sanitizer& san) {
   return out;
 }
 
-torch::Tensor step(Net& net, torch::optim::Optimizer& opt, int i) {
+// zero_grad, forward and backward of batch i; the loss.
+torch::Tensor backward(Net& net, torch::optim::Optimizer& opt, int i) {
   torch::manual_seed(100 + i);
   auto x = torch::randn({32, 8});
   auto y = torch::randint(0, 3, {32});
   opt.zero_grad();
   auto loss = torch::nn::functional::cross_entropy(net.forward(x), y);
   loss.backward();
+  return loss;
+}
+
+torch::Tensor step(Net& net, torch::optim::Optimizer& opt, int i) {
+  auto loss = backward(net, opt, i);
   opt.step();
   return loss;
 }
@@ -151,14 +157,8 @@ TEST(Attach, ScalerSkipIsNotASkippedStep) {
   torch::optim::SGD opt(net.parameters(), 0.1);
   auto san = trainsan::attach(net, opt, record());
   for (int i = 0; i < 6; ++i) {
-    torch::manual_seed(100 + i);
-    auto x = torch::randn({32, 8});
-    auto y = torch::randint(0, 3, {32});
-    opt.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(net.forward(x), y);
-    loss.backward();
-    const bool skip = i == 2;
-    if (skip) {
+    auto loss = backward(net, opt, i);
+    if (i == 2) {
       san.scaler_step({0, /*skipped=*/true, 65536.0});
     } else {
       opt.step();
