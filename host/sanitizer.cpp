@@ -388,6 +388,7 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
     grads.amp_skip(s.opt);
     amp_skips += 1;
     trace.amp_skip(step, s.opt);
+    if (replica_driver) replica_driver->on_event(s.opt, /*skipped=*/true);
   }
   trace.scaler(step, s.opt, s.scale, s.skipped);
   checks.precision.on_scaler(s, step);
@@ -481,6 +482,7 @@ void SanitizerImpl::close() {
   if (watch) watch->disarm();
   audit->close();
   readback.drain_all();
+  if (replica_driver) replica_driver->finish();
   grads.remove();
   closed = true;
   add_overhead(audit->take_overhead());

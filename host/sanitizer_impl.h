@@ -124,6 +124,14 @@ struct SanitizerImpl {
   // they were last taken.
   bool replicas = false;
   std::vector<StepFingerprints> fingerprints;
+  // The comparison itself where this library runs it (trainsan::compare_replicas over a c10d
+  // process group, replicas_pg.cpp); told of every step event, and finished by close().
+  struct ReplicaDriver {
+    virtual ~ReplicaDriver() = default;
+    virtual void on_event(int64_t opt, bool skipped) = 0;  // after the event's pass
+    virtual void finish() = 0;                             // close(): compare what is pending
+  };
+  std::unique_ptr<ReplicaDriver> replica_driver;
   // nondeterminism (Sanitizer::rerun, rerun.cpp): what begin_step() found on a step due for a
   // re-run, the state each re-run starts from.
   struct RerunStart {

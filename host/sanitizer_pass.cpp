@@ -256,6 +256,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   last_step_end = now;
   overhead_at_last_step_end = overhead_s;
   coverage.update_period = budget.period();
+  if (replica_driver) replica_driver->on_event(manual ? -1 : opt, /*skipped=*/false);
 }
 
 void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {

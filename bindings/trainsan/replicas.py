@@ -61,7 +61,9 @@ from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
 _MASK = (1 << 64) - 1
-# The row of a comparison: trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]).
+# The row of a comparison: trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]). The
+# C++ comparison over a c10d process group builds the same row with trainsan::replica_row
+# (host/checks/replicas.cpp); _row below must stay in step with it.
 _H = 6  # header fields: digest, optimizer, event count, step, skipped, training forwards
 _SLOT = 6  # per parameter: weight (present, hash), gradient (present, hash), state (present, hash)
 _BSLOT = 2  # per buffer: (present, hash)

@@ -298,6 +298,55 @@ ReplicaVerdict judge_replica_payload(
   return v;
 }
 
+std::vector<int64_t> replica_row(const ReplicaRowFacts& facts, const std::vector<int64_t>& members,
+                                 size_t n_buffers) {
+  using R = ReplicaRow;
+  if (!facts.buffers.empty() && facts.buffers.size() != n_buffers) {
+    throw std::invalid_argument("replica_row: " + std::to_string(facts.buffers.size()) +
+                                " buffer fingerprints for " + std::to_string(n_buffers) +
+                                " buffers");
+  }
+  std::vector<int64_t> row(static_cast<size_t>(R::kHeader) +
+                               static_cast<size_t>(R::kSlot) * members.size() +
+                               static_cast<size_t>(R::kBufferSlot) * n_buffers,
+                           0);
+  row[R::kDigest] = facts.digest;
+  row[R::kOpt] = facts.opt;
+  row[R::kCount] = facts.count;
+  row[R::kStep] = facts.step;
+  row[R::kSkipped] = facts.skipped ? 1 : 0;
+  row[R::kForwards] = facts.forwards;
+  const StepFingerprints& fp = facts.fingerprints;
+  auto find = [](const auto& v, int64_t i) { return std::find(v.begin(), v.end(), i); };
+  for (size_t j = 0; j < members.size(); ++j) {
+    const size_t b = static_cast<size_t>(R::kHeader + R::kSlot * static_cast<int64_t>(j));
+    const auto at = find(fp.index, members[j]);
+    if (at != fp.index.end()) {
+      const auto k = static_cast<size_t>(at - fp.index.begin());
+      row[b] = 1;
+      row[b + 1] = fp.param[k];
+      if (k < fp.has_grad.size() && fp.has_grad[k] &&
+          find(facts.grads, members[j]) != facts.grads.end()) {
+        row[b + 2] = 1;
+        row[b + 3] = fp.grad[k];
+      }
+    }
+    const auto st = std::find_if(facts.state.begin(), facts.state.end(),
+                                 [&](const auto& p) { return p.first == members[j]; });
+    if (st != facts.state.end()) {
+      row[b + 4] = 1;
+      row[b + 5] = st->second;
+    }
+  }
+  const size_t b0 =
+      static_cast<size_t>(R::kHeader) + static_cast<size_t>(R::kSlot) * members.size();
+  for (size_t j = 0; j < facts.buffers.size(); ++j) {
+    row[b0 + static_cast<size_t>(R::kBufferSlot) * j] = 1;
+    row[b0 + static_cast<size_t>(R::kBufferSlot) * j + 1] = facts.buffers[j];
+  }
+  return row;
+}
+
 std::vector<int64_t> replica_labels(const std::vector<int64_t>& values) {
   // Distinct values by first appearance, then ordered by how many ranks hold each (stable: ties
   // keep the order of first appearance).

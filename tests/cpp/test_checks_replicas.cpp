@@ -274,6 +274,42 @@ TEST(ReplicaPayload, RowsOfAnotherLayoutAreAnError) {
   EXPECT_THROW(judge_replica_payload(row(1), row(2), {"a"}, {}, {}), std::invalid_argument);
 }
 
+TEST(ReplicaRowLayout, HeaderThenSlotsOfMembersThenBuffers) {
+  ReplicaRowFacts f;
+  f.digest = 11;
+  f.opt = 0;
+  f.count = 3;
+  f.step = 2;
+  f.skipped = false;
+  f.forwards = 5;
+  // The pass fingerprinted parameters 4 and 7 (7 with a gradient); 9 is not in it.
+  f.fingerprints.index = {7, 4};
+  f.fingerprints.param = {70, 40};
+  f.fingerprints.has_grad = {true, false};
+  f.fingerprints.grad = {-71, 0};
+  f.grads = {7, 4};
+  f.state = {{4, 44}};
+  f.buffers = {100};
+  const std::vector<int64_t> row = replica_row(f, {4, 7, 9}, 1);
+  const std::vector<int64_t> want = {11, 0,  3, 2,   0, 5,   // header
+                                     1,  40, 0, 0,   1, 44,  // member 4: weight, state
+                                     1,  70, 1, -71, 0, 0,   // member 7: weight, gradient
+                                     0,  0,  0, 0,   0, 0,   // member 9: absent
+                                     1,  100};               // the buffer
+  EXPECT_EQ(row, want);
+  // The verdict reads the same layout: two equal rows agree.
+  EXPECT_EQ(judge_replica_payload(row, row, {"a", "b", "c"}, {"buf"}, {}).outcome,
+            ReplicaVerdict::Outcome::kAgree);
+  // A gradient not asked for stays absent; buffers not fingerprinted at this event too.
+  f.grads.clear();
+  f.buffers.clear();
+  const std::vector<int64_t> bare = replica_row(f, {4, 7, 9}, 1);
+  EXPECT_EQ(bare[6 + 6 + 2], 0);
+  EXPECT_EQ(bare[6 + 18], 0);
+  f.buffers = {1, 2};
+  EXPECT_THROW(replica_row(f, {4, 7, 9}, 1), std::invalid_argument);
+}
+
 TEST(ReplicaLabels, ClassesByHowManyRanksHoldEachValue) {
   EXPECT_EQ(replica_labels({5, 5, 7, 5}), (std::vector<int64_t>{0, 0, 1, 0}));
   EXPECT_EQ(replica_labels({9, 8, 8}), (std::vector<int64_t>{1, 0, 0}));

@@ -79,6 +79,30 @@ struct ReplicaRow {
   static constexpr int64_t kBufferSlot = 2;  ///< per buffer: (present, fingerprint)
 };
 
+/// What one rank knows of one comparison, laid out as its row by replica_row().
+struct ReplicaRowFacts {
+  int64_t digest = 0;  ///< of the members' names, shapes and placements (equal on every replica)
+  int64_t opt = -1;    ///< the optimizer whose step is compared; -1: manual mode, or before it
+  int64_t count = 0;   ///< step events (steps and skips) of it before this one
+  int64_t step = 0;    ///< its step count before this event
+  bool skipped = false;
+  int64_t forwards = 0;  ///< training forwards so far
+  /// The step pass's fingerprints (an empty index: the event has none, e.g. not due).
+  StepFingerprints fingerprints;
+  /// Compare the gradients of these parameter indices (where the pass hashed them).
+  std::vector<int64_t> grads;
+  /// Per parameter index, one fingerprint of its optimizer state (sampled steps).
+  std::vector<std::pair<int64_t, int64_t>> state;
+  /// Per buffer of the set, its fingerprint; empty: buffers not compared at this event.
+  std::vector<int64_t> buffers;
+};
+
+/// The row (ReplicaRow; Note [Replica payload]) of a set whose slots are parameters `members`
+/// (indices, as StepFingerprints::index) and `n_buffers` buffers. Throws std::invalid_argument
+/// when `facts.buffers` is neither empty nor `n_buffers` long.
+std::vector<int64_t> replica_row(const ReplicaRowFacts& facts, const std::vector<int64_t>& members,
+                                 size_t n_buffers);
+
 /// What one comparison's all-reduced rows say (judge_replica_payload).
 struct ReplicaVerdict {
   enum class Outcome : uint8_t {

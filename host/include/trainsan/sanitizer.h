@@ -141,7 +141,8 @@ struct RerunRecord {
 
 namespace host {
 struct SanitizerImpl;
-}
+struct ReplicaAccess;  // trainsan::compare_replicas over a c10d process group (replicas.h)
+}  // namespace host
 
 /// Sanitizer for a training loop:
 ///
@@ -318,6 +319,7 @@ class Sanitizer {
     return out;
   }
   void report();
+  friend struct host::ReplicaAccess;
   std::unique_ptr<host::SanitizerImpl> impl_;
 };
 
