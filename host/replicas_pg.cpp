@@ -51,6 +51,12 @@ struct ReplicaAccess {
 
 namespace {
 
+// An error's message for a finding: a c10::Error without its C++ backtrace.
+std::string brief(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
 using Clock = std::chrono::steady_clock;
 
 uint64_t fold(uint64_t h, const std::string& s) {
@@ -168,7 +174,7 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
     try {
       fn();
     } catch (const std::exception& e) {
-      give_up(std::string("its comparison failed: ") + e.what());
+      give_up(std::string("its comparison failed: ") + brief(e));
     }
   }
 
@@ -240,7 +246,7 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
     try {
       work->wait();
     } catch (const std::exception& e) {
-      return e.what();
+      return brief(e);
     }
     return "";
   }
