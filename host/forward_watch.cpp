@@ -8,11 +8,13 @@
 #include <set>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace trainsan::host {
 
 struct ForwardWatch::State {
   std::unordered_map<const c10::TensorImpl*, int64_t> params;  // -> group
+  std::unordered_set<const void*> storages;  // the parameters' (a view of one is no batch)
   std::set<int64_t> groups;
   OnForward on_forward;
   bool armed = false;
@@ -65,8 +67,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
       if (it != s->params.end()) {
         if (!reads_param) group = it->second;
         reads_param = true;
-      } else if (t.dim() >= 1) {
-        batch.push_back(t);
+      } else if (t.dim() >= 1 &&
+                 !(t.has_storage() && s->storages.count(t.storage().unsafeGetStorageImpl()) != 0)) {
+        batch.push_back(t);  // not a view of a parameter (addmm's transposed weight)
       }
     }
     if (!reads_param || batch.empty() || s->done.count(group) != 0) continue;
@@ -109,6 +112,9 @@ ForwardWatch::ForwardWatch(const std::vector<at::Tensor>& params,
     if (!params[k].defined()) continue;
     const int64_t g = k < groups.size() ? groups[k] : 0;
     state_->params.emplace(params[k].unsafeGetTensorImpl(), g);
+    if (params[k].has_storage()) {
+      state_->storages.insert(params[k].storage().unsafeGetStorageImpl());
+    }
     state_->groups.insert(g);
   }
   state_->on_forward = std::move(on_forward);
