@@ -218,6 +218,7 @@ TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
   m.def("judge_checkpoint", &judge_checkpoint_op);
+  m.def("facts_defaults", [](std::string name) { return trainsan::facts_defaults(name); });
   m.def("range_histogram(Tensor t, float[] bounds) -> Tensor",
         [](const at::Tensor& t, std::vector<double> bounds) {
           return trainsan::range_histogram(t, bounds);
@@ -290,35 +291,8 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->inputs_seen(u, steps);
            })
       .def("resume",
-           // Flattened ResumeFacts: strs = optimizer_type, prefix, progress; ints = moment, opt,
-           // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags
-           // checkpoint_has_optimizer_state, optimizer_restored, stateful, scheduler_restored.
-           [](const H& h, std::vector<std::string> strs, std::vector<int64_t> ints,
-              std::vector<double> reals, std::vector<std::string> dropped_frozen,
-              std::vector<std::string> dropped_unoptimized,
-              std::vector<std::string> state_mismatched) {
-             TORCH_CHECK_VALUE(strs.size() == 3 && ints.size() == 9 && reals.size() == 2,
-                               "resume: expected 3 strings, 9 ints and 2 reals");
-             TORCH_CHECK_VALUE(ints[0] >= 0 && ints[0] <= 2, "resume: bad moment ", ints[0]);
-             trainsan::ResumeFacts f;
-             f.moment = static_cast<trainsan::ResumeFacts::Moment>(ints[0]);
-             f.opt = ints[1];
-             f.optimizer_type = strs[0];
-             f.prefix = strs[1];
-             f.progress = strs[2];
-             f.prefix_keys = ints[2];
-             f.optimizer_with_state = ints[3];
-             f.scheduler_epoch = ints[4];
-             f.checkpoint_has_optimizer_state = ints[5] != 0;
-             f.optimizer_restored = ints[6] != 0;
-             f.stateful = ints[7] != 0;
-             f.scheduler_restored = ints[8] != 0;
-             f.lr = reals[0];
-             f.checkpoint_lr = reals[1];
-             f.dropped_frozen = std::move(dropped_frozen);
-             f.dropped_unoptimized = std::move(dropped_unoptimized);
-             f.state_mismatched = std::move(state_mismatched);
-             h->san->resume(f);
+           [](const H& h, trainsan::FactsDict facts) {
+             h->san->resume(trainsan::facts_from_dict<trainsan::ResumeFacts>(facts));
              return h->take();
            })
       .def("checkpoint",
