@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/checkpoint.h"
 #include "trainsan/checkpoint_facts.h"
 #include "trainsan/resume_facts.h"
 
@@ -269,7 +270,8 @@ FactsDict defaults_of(const std::string& name) {
 }  // namespace
 
 FactsDict facts_defaults(const std::string& name) {
-  return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite>(name);
+  return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite, CheckpointContents,
+                     OptimizerTensors, ModelTensors>(name);
 }
 
 #define TRAINSAN_FACTS_DICT(T)                     \
@@ -278,6 +280,9 @@ FactsDict facts_defaults(const std::string& name) {
 TRAINSAN_FACTS_DICT(ResumeFacts)
 TRAINSAN_FACTS_DICT(CheckpointFacts)
 TRAINSAN_FACTS_DICT(CheckpointNonfinite)
+TRAINSAN_FACTS_DICT(CheckpointContents)
+TRAINSAN_FACTS_DICT(OptimizerTensors)
+TRAINSAN_FACTS_DICT(ModelTensors)
 #undef TRAINSAN_FACTS_DICT
 
 }  // namespace trainsan

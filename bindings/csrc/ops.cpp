@@ -13,61 +13,26 @@
 
 namespace {
 
-// The facts of a checkpoint from the Python package's flattened lists (checkpoint.py).
-trainsan::CheckpointFacts checkpoint_facts(
-    std::string source, std::string load_error, std::vector<std::string> nonfinite_keys,
-    std::vector<int64_t> nonfinite_counts, bool have_model, bool model_found, std::string model_key,
-    int64_t model_keys, std::vector<std::string> missing_trainable,
-    std::vector<std::string> missing_other, std::vector<std::string> unexpected,
-    std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
-    int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
-  TORCH_CHECK_VALUE(nonfinite_counts.size() == 2 * nonfinite_keys.size(),
-                    "checkpoint facts: nonfinite_counts must hold (count, numel) per key");
-  trainsan::CheckpointFacts f;
-  f.source = std::move(source);
-  f.load_error = std::move(load_error);
-  for (size_t k = 0; k < nonfinite_keys.size(); ++k) {
-    f.nonfinite.push_back(
-        {nonfinite_keys[k], nonfinite_counts[2 * k], nonfinite_counts[2 * k + 1]});
-  }
-  f.have_model = have_model;
-  f.model_found = model_found;
-  f.model_key = std::move(model_key);
-  f.model_keys = model_keys;
-  f.missing_trainable = std::move(missing_trainable);
-  f.missing_other = std::move(missing_other);
-  f.unexpected = std::move(unexpected);
-  f.mismatched = std::move(mismatched);
-  f.ddp_prefix = ddp_prefix;
-  f.have_optimizer_state = have_optimizer_state;
-  f.optimizer_params = optimizer_params;
-  f.optimizer_with_state = optimizer_with_state;
-  f.live_with_state = live_with_state;
-  f.state_mismatched = std::move(state_mismatched);
-  f.optimizer_step_saved = step_saved;
-  f.optimizer_step_live = step_live;
-  return f;
-}
+// Facts cross by name (Note [Facts by name], trainsan/facts_dict.h).
+using trainsan::facts_from_dict;
+using FactsDict = trainsan::FactsDict;
 
-// judge_checkpoint outside a sanitizer: per finding (kind, severity, tensor, message).
-std::vector<std::string> judge_checkpoint_op(
-    std::string source, std::string load_error, std::vector<std::string> nonfinite_keys,
-    std::vector<int64_t> nonfinite_counts, bool have_model, bool model_found, std::string model_key,
-    int64_t model_keys, std::vector<std::string> missing_trainable,
-    std::vector<std::string> missing_other, std::vector<std::string> unexpected,
-    std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
-    int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
+// A checkpoint outside a sanitizer: per finding (kind, severity, tensor, message), and its facts.
+std::tuple<std::vector<std::string>, FactsDict> check_checkpoint_op(FactsDict contents) {
+  const trainsan::CheckpointFacts facts =
+      trainsan::checkpoint_facts(facts_from_dict<trainsan::CheckpointContents>(contents));
   std::vector<std::string> out;
-  for (const trainsan::Finding& f : trainsan::judge_checkpoint(checkpoint_facts(
-           source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found, model_key,
-           model_keys, missing_trainable, missing_other, unexpected, mismatched, ddp_prefix,
-           have_optimizer_state, optimizer_params, optimizer_with_state, live_with_state,
-           state_mismatched, step_saved, step_live))) {
+  for (const trainsan::Finding& f : trainsan::judge_checkpoint(facts)) {
     out.insert(out.end(), {f.kind, f.severity, f.tensor, f.message});
   }
-  return out;
+  return {out, trainsan::facts_to_dict(facts)};
+}
+
+// An optimizer's state against its own parameters (a resume's optimizer.load_state_dict).
+std::vector<std::string> state_mismatches_op(FactsDict optimizer) {
+  const trainsan::OptimizerDesc d =
+      trainsan::describe_optimizer(facts_from_dict<trainsan::OptimizerTensors>(optimizer));
+  return trainsan::state_mismatches(d, d);
 }
 
 std::tuple<at::Tensor, at::Tensor> tensor_stats_op(at::TensorList tensors) {
@@ -217,7 +182,8 @@ struct SanitizerHandle : torch::CustomClassHolder {
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
-  m.def("judge_checkpoint", &judge_checkpoint_op);
+  m.def("check_checkpoint", &check_checkpoint_op);
+  m.def("state_mismatches", &state_mismatches_op);
   m.def("facts_defaults", [](std::string name) { return trainsan::facts_defaults(name); });
   m.def("range_histogram(Tensor t, float[] bounds) -> Tensor",
         [](const at::Tensor& t, std::vector<double> bounds) {
@@ -291,24 +257,14 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->inputs_seen(u, steps);
            })
       .def("resume",
-           [](const H& h, trainsan::FactsDict facts) {
-             h->san->resume(trainsan::facts_from_dict<trainsan::ResumeFacts>(facts));
+           [](const H& h, FactsDict facts) {
+             h->san->resume(facts_from_dict<trainsan::ResumeFacts>(facts));
              return h->take();
            })
       .def("checkpoint",
-           [](const H& h, std::string source, std::string load_error,
-              std::vector<std::string> nonfinite_keys, std::vector<int64_t> nonfinite_counts,
-              bool have_model, bool model_found, std::string model_key, int64_t model_keys,
-              std::vector<std::string> missing_trainable, std::vector<std::string> missing_other,
-              std::vector<std::string> unexpected, std::vector<std::string> mismatched,
-              bool ddp_prefix, bool have_optimizer_state, int64_t optimizer_params,
-              int64_t optimizer_with_state, int64_t live_with_state,
-              std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
-             h->san->checkpoint(checkpoint_facts(
-                 source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found,
-                 model_key, model_keys, missing_trainable, missing_other, unexpected, mismatched,
-                 ddp_prefix, have_optimizer_state, optimizer_params, optimizer_with_state,
-                 live_with_state, state_mismatched, step_saved, step_live));
+           [](const H& h, FactsDict contents) {
+             h->san->checkpoint(trainsan::checkpoint_facts(
+                 facts_from_dict<trainsan::CheckpointContents>(contents)));
              return h->take();
            })
       .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })

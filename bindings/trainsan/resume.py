@@ -225,8 +225,7 @@ class ResumeWatch:
         self._restored.add(k)
         san = self._san()
         names = {id(p): n for n, p in san._model.named_parameters()}
-        params = [p for g in opt.param_groups for p in g["params"]]
-        bad = state_mismatches(params, [opt.state.get(p) for p in params], names)
+        bad = state_mismatches(opt, names)
         if bad:
             self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
 

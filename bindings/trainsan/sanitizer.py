@@ -642,7 +642,7 @@ class Sanitizer:
         facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
                        part_ok=True)
         self._py_overhead += time.perf_counter() - t0
-        self._apply(self._handle.checkpoint(*facts.args()))
+        self._apply(self._handle.checkpoint(facts.fields()))
 
     def _write_headroom(self, k: int, step: int) -> None:
         """Note [Precision headroom]: range counts of optimizer k's weights (after the step)

@@ -117,6 +117,20 @@ TEST(FactsDict, UnknownMissingAndMistypedFieldsAreNamed) {
   EXPECT_TRUE(has(e, "CheckpointFacts: missing field 'nonfinite.0.numel' (int)")) << e;
 }
 
+TEST(FactsDict, TensorsAndNamedTensors) {
+  trainsan::OptimizerTensors o;
+  o.path = "opt";
+  o.params = {{"w", torch::ones({2, 3})}};
+  o.state = {{{"step", torch::tensor(4)}, {"extra", at::Tensor()}}};
+  const auto back = facts_from_dict<trainsan::OptimizerTensors>(facts_to_dict(o));
+  ASSERT_EQ(back.params.size(), 1u);
+  EXPECT_TRUE(back.params[0].second.is_same(o.params[0].second));
+  ASSERT_EQ(back.state.size(), 1u);
+  ASSERT_EQ(back.state[0].size(), 2u);
+  EXPECT_FALSE(back.state[0][1].second.defined());  // None: a value that is no tensor
+  EXPECT_EQ(trainsan::describe_optimizer(back).slots[0].step, 4);
+}
+
 TEST(FactsDict, DefaultsByStructName) {
   const FactsDict d = trainsan::facts_defaults("ResumeFacts");
   EXPECT_EQ(d.at("opt").toInt(), -1);

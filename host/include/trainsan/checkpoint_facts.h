@@ -1,8 +1,8 @@
 // Facts of a checkpoint (bad_checkpoint) and the gatherer that builds them from plain descriptions
 // of what the checkpoint, the model and the optimizers hold (host/checks/checkpoint_facts.cpp);
-// judged and worded by host/checks/checkpoint.cpp. The Python package's gatherer
-// (bindings/trainsan/checkpoint.py) still builds CheckpointFacts itself; gather_checkpoint is
-// its C++ replacement, over descriptions made from tensors. Torch-free.
+// judged and worded by host/checks/checkpoint.cpp. The descriptions are made from tensors by
+// trainsan/checkpoint.h (LibTorch), whose callers are the Python package's torch.save patch and
+// `trainsan.check_checkpoint` (bindings/trainsan/checkpoint.py) and LibTorch programs. Torch-free.
 #pragma once
 
 #include <cstdint>

@@ -27,8 +27,8 @@ namespace trainsan {
 
 using FactsDict = c10::Dict<std::string, c10::IValue>;
 
-/// The facts struct T from its fields by name. Implemented for ResumeFacts and CheckpointFacts
-/// (with CheckpointNonfinite).
+/// The facts struct T from its fields by name. Implemented for ResumeFacts, CheckpointFacts
+/// (with CheckpointNonfinite) and CheckpointContents (with OptimizerTensors, ModelTensors).
 template <typename T>
 T facts_from_dict(const FactsDict& fields);
 
