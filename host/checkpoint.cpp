@@ -111,6 +111,21 @@ OptimizerDesc describe_optimizer(const OptimizerTensors& o) {
   return d;
 }
 
+namespace {
+
+// Entries in hand (a state dict, an archive's tensors): the checkpoint is that one state dict.
+CheckpointContents entries_contents(const NamedTensors& entries, const torch::nn::Module* model,
+                                    const std::string& source) {
+  CheckpointContents c;
+  c.source = source;
+  c.tensors = entries;
+  c.state_dicts = {{"", entries}};
+  if (model != nullptr) c.model = {model_tensors(*model)};
+  return c;
+}
+
+}  // namespace
+
 CheckpointFacts checkpoint_facts(const CheckpointContents& c) {
   CheckpointDesc d;
   d.source = c.source;
@@ -150,12 +165,7 @@ std::vector<Finding> check_checkpoint(const CheckpointContents& contents) {
 
 std::vector<Finding> check_checkpoint(const NamedTensors& entries, const torch::nn::Module* model,
                                       const std::string& source) {
-  CheckpointContents c;
-  c.source = source;
-  c.tensors = entries;
-  c.state_dicts = {{"", entries}};
-  if (model != nullptr) c.model = {model_tensors(*model)};
-  return check_checkpoint(c);
+  return check_checkpoint(entries_contents(entries, model, source));
 }
 
 NamedTensors read_archive(const std::string& path) {
@@ -179,6 +189,15 @@ NamedTensors read_archive(const std::string& path) {
 
 std::vector<Finding> check_checkpoint(const std::string& path, const torch::nn::Module* model) {
   return check_checkpoint(read_archive(path), model, path);
+}
+
+void Sanitizer::check_checkpoint(const std::string& path, const torch::nn::Module* model) {
+  check_checkpoint(read_archive(path), model, path);
+}
+
+void Sanitizer::check_checkpoint(const NamedTensors& entries, const torch::nn::Module* model,
+                                 const std::string& source) {
+  checkpoint(checkpoint_facts(entries_contents(entries, model, source)));
 }
 
 }  // namespace trainsan

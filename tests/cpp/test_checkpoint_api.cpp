@@ -149,6 +149,29 @@ TEST_F(CheckpointApi, OptimizerStateAgainstTheModel) {
   EXPECT_TRUE(d.slots[0].has_state);
 }
 
+TEST_F(CheckpointApi, ThroughASanitizerThePolicyAnswers) {
+  Net net;
+  {
+    torch::NoGradGuard no_grad;
+    net->fc2->weight[0][0] = std::numeric_limits<float>::quiet_NaN();
+  }
+  torch::save(net, path("nan.pt"));
+  trainsan::Options record;
+  record.policy = "record";
+  trainsan::Sanitizer san(net->named_parameters(), record);
+  san.check_checkpoint(path("nan.pt"), net.get());
+  const auto found = san.findings();
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].kind, "bad_checkpoint");
+  EXPECT_TRUE(has(found[0].message, "nan.pt: holds NaN/±Inf values in 1 tensor(s): fc2.weight"))
+      << found[0].message;
+  san.close();
+  trainsan::Sanitizer strict(net->named_parameters());  // policy "raise"
+  EXPECT_THROW(strict.check_checkpoint(trainsan::read_archive(path("nan.pt")), net.get(), "ckpt"),
+               trainsan::TrainingBugError);
+  strict.close();
+}
+
 TEST_F(CheckpointApi, UnreadableFilesAreClearErrors) {
   try {
     trainsan::check_checkpoint(path("missing.pt"));
