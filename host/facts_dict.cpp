@@ -12,8 +12,11 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/autograd_facts.h"
 #include "trainsan/checkpoint.h"
 #include "trainsan/checkpoint_facts.h"
+#include "trainsan/precision_facts.h"
+#include "trainsan/replica_facts.h"
 #include "trainsan/resume_facts.h"
 
 namespace trainsan {
@@ -271,7 +274,8 @@ FactsDict defaults_of(const std::string& name) {
 
 FactsDict facts_defaults(const std::string& name) {
   return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite, CheckpointContents,
-                     OptimizerTensors, ModelTensors>(name);
+                     OptimizerTensors, ModelTensors, Provenance, ModuleOrigin, RangeOverflow,
+                     ReplicaReport, ReplicaMismatch, SavedTensorChange, CustomGradResult>(name);
 }
 
 #define TRAINSAN_FACTS_DICT(T)                     \
@@ -283,6 +287,13 @@ TRAINSAN_FACTS_DICT(CheckpointNonfinite)
 TRAINSAN_FACTS_DICT(CheckpointContents)
 TRAINSAN_FACTS_DICT(OptimizerTensors)
 TRAINSAN_FACTS_DICT(ModelTensors)
+TRAINSAN_FACTS_DICT(Provenance)
+TRAINSAN_FACTS_DICT(ModuleOrigin)
+TRAINSAN_FACTS_DICT(RangeOverflow)
+TRAINSAN_FACTS_DICT(ReplicaReport)
+TRAINSAN_FACTS_DICT(ReplicaMismatch)
+TRAINSAN_FACTS_DICT(SavedTensorChange)
+TRAINSAN_FACTS_DICT(CustomGradResult)
 #undef TRAINSAN_FACTS_DICT
 
 }  // namespace trainsan

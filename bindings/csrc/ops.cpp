@@ -269,48 +269,8 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })
       .def("provenance",
-           // Flattened: per origin 5 strings (module, type, dtype, autocast, prior_where), its
-           // prior_absmax, and 6 ints
-           // (backward, inf_only, position, checked, parameters beyond fp16, input), those
-           // parameters'
-           // names and counts in order; per fp16 range overflow 3 strings (module, type, dtype)
-           // and its largest magnitude.
-           [](const H& h, int64_t forward_checked, int64_t backward_checked,
-              std::vector<std::string> origin_strs, std::vector<double> origin_reals,
-              std::vector<int64_t> origin_ints, std::vector<std::string> beyond_names,
-              std::vector<int64_t> beyond_counts, std::vector<std::string> range_strs,
-              std::vector<double> range_max) {
-             trainsan::Provenance p;
-             p.forward_checked = forward_checked;
-             p.backward_checked = backward_checked;
-             size_t b = 0;
-             for (size_t k = 0; 5 * k + 4 < origin_strs.size() && 6 * k + 5 < origin_ints.size() &&
-                                k < origin_reals.size();
-                  ++k) {
-               trainsan::ModuleOrigin o;
-               o.module = origin_strs[5 * k];
-               o.type = origin_strs[5 * k + 1];
-               o.dtype = origin_strs[5 * k + 2];
-               o.autocast = origin_strs[5 * k + 3];
-               o.prior_where = origin_strs[5 * k + 4];
-               o.prior_absmax = origin_reals[k];
-               o.backward = origin_ints[6 * k] != 0;
-               o.inf_only = origin_ints[6 * k + 1] != 0;
-               o.position = origin_ints[6 * k + 2];
-               o.checked = origin_ints[6 * k + 3];
-               for (int64_t j = 0; j < origin_ints[6 * k + 4] && b < beyond_names.size() &&
-                                   b < beyond_counts.size();
-                    ++j, ++b) {
-                 o.beyond_fp16.emplace_back(beyond_names[b], beyond_counts[b]);
-               }
-               o.input = origin_ints[6 * k + 5] != 0;
-               (o.backward ? p.backward : p.forward) = std::move(o);
-             }
-             for (size_t k = 0; 3 * k + 2 < range_strs.size() && k < range_max.size(); ++k) {
-               p.fp16_range.push_back(
-                   {range_strs[3 * k], range_strs[3 * k + 1], range_strs[3 * k + 2], range_max[k]});
-             }
-             h->san->provenance(p);
+           [](const H& h, FactsDict facts) {
+             h->san->provenance(facts_from_dict<trainsan::Provenance>(facts));
              return h->take();
            })
       .def("local_shards",
@@ -334,29 +294,15 @@ TORCH_LIBRARY(trainsan, m) {
              return h->take();
            })
       .def("saved_tensor_changed",
-           [](const H& h, std::string node, std::string tensor, std::vector<int64_t> sizes,
-              std::string dtype) {
-             h->san->saved_tensor_changed(
-                 {std::move(node), std::move(tensor), std::move(sizes), std::move(dtype)});
+           [](const H& h, FactsDict facts) {
+             h->san->saved_tensor_changed(facts_from_dict<trainsan::SavedTensorChange>(facts));
              return h->take();
            })
-      .def(
-          "custom_grad_result",
-          [](const H& h, std::string function, int64_t input_index, double analytic, double central,
-             double curvature, double scale, double unit, double noise, bool low_precision) {
-            trainsan::CustomGradResult r;
-            r.function = std::move(function);
-            r.input_index = input_index;
-            r.analytic = analytic;
-            r.central = central;
-            r.curvature = curvature;
-            r.scale = scale;
-            r.unit = unit;
-            r.noise = noise;
-            r.low_precision = low_precision;
-            h->san->custom_grad_result(r);
-            return h->take();
-          })
+      .def("custom_grad_result",
+           [](const H& h, FactsDict facts) {
+             h->san->custom_grad_result(facts_from_dict<trainsan::CustomGradResult>(facts));
+             return h->take();
+           })
       .def("compare_replicas", [](const H& h) { h->san->compare_replicas(); })
       .def("take_fingerprints",
            [](const H& h, bool wait_all) {
@@ -378,40 +324,8 @@ TORCH_LIBRARY(trainsan, m) {
              return out;
            })
       .def("replica_report",
-           [](const H& h, int64_t moment, int64_t step, int64_t opt, std::string group,
-              std::vector<int64_t> ranks, std::vector<std::string> tensors,
-              std::vector<std::string> whats, std::vector<int64_t> labels,
-              std::vector<int64_t> skipped, std::vector<int64_t> steps_at,
-              std::vector<int64_t> forwards, bool grads_agree, std::vector<int64_t> missing,
-              double waited_s, std::vector<std::string> missing_detail) {
-             // labels: len(ranks) entries per tensor (-1: unknown), flattened.
-             TORCH_CHECK_VALUE(moment >= 0 && moment <= 2, "replica_report: bad moment ", moment);
-             TORCH_CHECK_VALUE(
-                 tensors.size() == whats.size() &&
-                     (labels.empty() || labels.size() == tensors.size() * ranks.size()),
-                 "replica_report: tensors, whats and labels disagree in length");
-             trainsan::ReplicaReport r;
-             r.moment = static_cast<trainsan::ReplicaReport::Moment>(moment);
-             r.step = step;
-             r.opt = opt;
-             r.group = std::move(group);
-             r.ranks = ranks;
-             for (size_t k = 0; k < tensors.size(); ++k) {
-               trainsan::ReplicaMismatch m{tensors[k], whats[k], {}};
-               if (!labels.empty()) {
-                 const auto* b = labels.data() + k * ranks.size();
-                 if (*b >= 0) m.labels.assign(b, b + ranks.size());
-               }
-               r.mismatches.push_back(std::move(m));
-             }
-             for (const int64_t v : skipped) r.skipped.push_back(v != 0);
-             r.steps_at = std::move(steps_at);
-             r.forwards = std::move(forwards);
-             r.grads_agree = grads_agree;
-             r.missing = std::move(missing);
-             r.waited_s = waited_s;
-             r.missing_detail = std::move(missing_detail);
-             h->san->replica_report(r);
+           [](const H& h, FactsDict facts) {
+             h->san->replica_report(facts_from_dict<trainsan::ReplicaReport>(facts));
              return h->take();
            })
       .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })

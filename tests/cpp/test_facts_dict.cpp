@@ -131,6 +131,47 @@ TEST(FactsDict, TensorsAndNamedTensors) {
   EXPECT_EQ(trainsan::describe_optimizer(back).slots[0].step, 4);
 }
 
+TEST(FactsDict, OptionalRecordsAndNestedLists) {
+  trainsan::Provenance p;
+  p.forward_checked = 5;
+  trainsan::ModuleOrigin o;
+  o.module = "attn.qkv";
+  o.beyond_fp16 = {{"attn.qkv.weight", 3}};
+  o.prior_absmax = 7e4;
+  p.forward = o;
+  p.fp16_range = {{"mlp", "Linear", "float32", 1e5}};
+  FactsDict d = facts_to_dict(p);
+  EXPECT_TRUE(d.at("backward").isNone());
+  auto back = facts_from_dict<trainsan::Provenance>(d);
+  ASSERT_TRUE(back.forward.has_value());
+  EXPECT_FALSE(back.backward.has_value());
+  EXPECT_EQ(back.forward->beyond_fp16[0].second, 3);
+  EXPECT_EQ(back.fp16_range[0].absmax, 1e5);
+  // Flattened, as Python sends an optional record: its count (0 or 1) and "forward.0.<field>".
+  FactsDict flat = facts_to_dict(p);
+  flat.insert_or_assign("forward", int64_t{1});
+  const FactsDict origin = facts_to_dict(o);
+  for (const auto& kv : origin) flat.insert("forward.0." + kv.key(), kv.value());
+  flat.insert_or_assign("forward.0.position", std::string("first"));
+  const std::string e =
+      error_of<c10::TypeError>([&] { facts_from_dict<trainsan::Provenance>(flat); });
+  EXPECT_TRUE(has(e, "Provenance.forward.0.position: expected int, got str")) << e;
+  flat.insert_or_assign("forward.0.position", int64_t{2});
+  back = facts_from_dict<trainsan::Provenance>(flat);
+  EXPECT_EQ(back.forward->position, 2);
+  EXPECT_EQ(back.forward->module, "attn.qkv");
+
+  trainsan::ReplicaReport r;
+  r.ranks = {0, 1, 2};
+  r.mismatches = {{"w", "parameter", {0, 0, 1}}, {"b", "gradient", {}}};
+  r.skipped = {false, true, false};
+  const auto rb = facts_from_dict<trainsan::ReplicaReport>(facts_to_dict(r));
+  EXPECT_EQ(rb.mismatches[0].labels, (std::vector<int64_t>{0, 0, 1}));
+  EXPECT_TRUE(rb.mismatches[1].labels.empty());
+  EXPECT_EQ(rb.skipped, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(rb.moment, trainsan::ReplicaReport::Moment::kAfterStep);
+}
+
 TEST(FactsDict, DefaultsByStructName) {
   const FactsDict d = trainsan::facts_defaults("ResumeFacts");
   EXPECT_EQ(d.at("opt").toInt(), -1);

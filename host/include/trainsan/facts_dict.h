@@ -28,7 +28,9 @@ namespace trainsan {
 using FactsDict = c10::Dict<std::string, c10::IValue>;
 
 /// The facts struct T from its fields by name. Implemented for ResumeFacts, CheckpointFacts
-/// (with CheckpointNonfinite) and CheckpointContents (with OptimizerTensors, ModelTensors).
+/// (with CheckpointNonfinite), CheckpointContents (with OptimizerTensors, ModelTensors),
+/// Provenance (with ModuleOrigin, RangeOverflow), ReplicaReport (with ReplicaMismatch),
+/// SavedTensorChange and CustomGradResult.
 template <typename T>
 T facts_from_dict(const FactsDict& fields);
 
