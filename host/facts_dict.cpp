@@ -183,7 +183,9 @@ class Reader {
   void read(const std::string& key, F& out) {
     const std::string where = where_ + "." + key;
     const auto it = d_.find(key);
-    TORCH_CHECK_VALUE(it != d_.end(), where_, ": missing field '", key, "' (", type_name<F>(), ")");
+    TORCH_CHECK_VALUE(it != d_.end(), where_, ": missing field '", key, "' (", type_name<F>(),
+                      "): every field of the table is required (facts_defaults(name) gives a "
+                      "struct's defaults to start from)");
     seen_.insert(key);
     const IValue& v = it->value();
     if constexpr (HoldsRecords<F>::value) {
