@@ -15,6 +15,7 @@ add_library(trainsan_checks STATIC
   "${PROJECT_SOURCE_DIR}/host/checks/replicas.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/precision.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/checkpoint.cpp"
+  "${PROJECT_SOURCE_DIR}/host/checks/checkpoint_facts.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/resume.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/determinism.cpp"
   "${PROJECT_SOURCE_DIR}/host/audit/shape_rules.cpp"

@@ -13,61 +13,26 @@
 
 namespace {
 
-// The facts of a checkpoint from the Python package's flattened lists (checkpoint.py).
-trainsan::CheckpointFacts checkpoint_facts(
-    std::string source, std::string load_error, std::vector<std::string> nonfinite_keys,
-    std::vector<int64_t> nonfinite_counts, bool have_model, bool model_found, std::string model_key,
-    int64_t model_keys, std::vector<std::string> missing_trainable,
-    std::vector<std::string> missing_other, std::vector<std::string> unexpected,
-    std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
-    int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
-  TORCH_CHECK_VALUE(nonfinite_counts.size() == 2 * nonfinite_keys.size(),
-                    "checkpoint facts: nonfinite_counts must hold (count, numel) per key");
-  trainsan::CheckpointFacts f;
-  f.source = std::move(source);
-  f.load_error = std::move(load_error);
-  for (size_t k = 0; k < nonfinite_keys.size(); ++k) {
-    f.nonfinite.push_back(
-        {nonfinite_keys[k], nonfinite_counts[2 * k], nonfinite_counts[2 * k + 1]});
-  }
-  f.have_model = have_model;
-  f.model_found = model_found;
-  f.model_key = std::move(model_key);
-  f.model_keys = model_keys;
-  f.missing_trainable = std::move(missing_trainable);
-  f.missing_other = std::move(missing_other);
-  f.unexpected = std::move(unexpected);
-  f.mismatched = std::move(mismatched);
-  f.ddp_prefix = ddp_prefix;
-  f.have_optimizer_state = have_optimizer_state;
-  f.optimizer_params = optimizer_params;
-  f.optimizer_with_state = optimizer_with_state;
-  f.live_with_state = live_with_state;
-  f.state_mismatched = std::move(state_mismatched);
-  f.optimizer_step_saved = step_saved;
-  f.optimizer_step_live = step_live;
-  return f;
-}
+// Facts cross by name (Note [Facts by name], trainsan/facts_dict.h).
+using trainsan::facts_from_dict;
+using FactsDict = trainsan::FactsDict;
 
-// judge_checkpoint outside a sanitizer: per finding (kind, severity, tensor, message).
-std::vector<std::string> judge_checkpoint_op(
-    std::string source, std::string load_error, std::vector<std::string> nonfinite_keys,
-    std::vector<int64_t> nonfinite_counts, bool have_model, bool model_found, std::string model_key,
-    int64_t model_keys, std::vector<std::string> missing_trainable,
-    std::vector<std::string> missing_other, std::vector<std::string> unexpected,
-    std::vector<std::string> mismatched, bool ddp_prefix, bool have_optimizer_state,
-    int64_t optimizer_params, int64_t optimizer_with_state, int64_t live_with_state,
-    std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
+// A checkpoint outside a sanitizer: per finding (kind, severity, tensor, message), and its facts.
+std::tuple<std::vector<std::string>, FactsDict> check_checkpoint_op(FactsDict contents) {
+  const trainsan::CheckpointFacts facts =
+      trainsan::checkpoint_facts(facts_from_dict<trainsan::CheckpointContents>(contents));
   std::vector<std::string> out;
-  for (const trainsan::Finding& f : trainsan::judge_checkpoint(checkpoint_facts(
-           source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found, model_key,
-           model_keys, missing_trainable, missing_other, unexpected, mismatched, ddp_prefix,
-           have_optimizer_state, optimizer_params, optimizer_with_state, live_with_state,
-           state_mismatched, step_saved, step_live))) {
+  for (const trainsan::Finding& f : trainsan::judge_checkpoint(facts)) {
     out.insert(out.end(), {f.kind, f.severity, f.tensor, f.message});
   }
-  return out;
+  return {out, trainsan::facts_to_dict(facts)};
+}
+
+// An optimizer's state against its own parameters (a resume's optimizer.load_state_dict).
+std::vector<std::string> state_mismatches_op(FactsDict optimizer) {
+  const trainsan::OptimizerDesc d =
+      trainsan::describe_optimizer(facts_from_dict<trainsan::OptimizerTensors>(optimizer));
+  return trainsan::state_mismatches(d, d);
 }
 
 std::tuple<at::Tensor, at::Tensor> tensor_stats_op(at::TensorList tensors) {
@@ -217,7 +182,9 @@ struct SanitizerHandle : torch::CustomClassHolder {
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
-  m.def("judge_checkpoint", &judge_checkpoint_op);
+  m.def("check_checkpoint", &check_checkpoint_op);
+  m.def("state_mismatches", &state_mismatches_op);
+  m.def("facts_defaults", [](std::string name) { return trainsan::facts_defaults(name); });
   m.def("range_histogram(Tensor t, float[] bounds) -> Tensor",
         [](const at::Tensor& t, std::vector<double> bounds) {
           return trainsan::range_histogram(t, bounds);
@@ -290,97 +257,20 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->inputs_seen(u, steps);
            })
       .def("resume",
-           // Flattened ResumeFacts: strs = optimizer_type, prefix, progress; ints = moment, opt,
-           // prefix_keys, optimizer_with_state, scheduler_epoch, and the flags
-           // checkpoint_has_optimizer_state, optimizer_restored, stateful, scheduler_restored.
-           [](const H& h, std::vector<std::string> strs, std::vector<int64_t> ints,
-              std::vector<double> reals, std::vector<std::string> dropped_frozen,
-              std::vector<std::string> dropped_unoptimized,
-              std::vector<std::string> state_mismatched) {
-             TORCH_CHECK_VALUE(strs.size() == 3 && ints.size() == 9 && reals.size() == 2,
-                               "resume: expected 3 strings, 9 ints and 2 reals");
-             TORCH_CHECK_VALUE(ints[0] >= 0 && ints[0] <= 2, "resume: bad moment ", ints[0]);
-             trainsan::ResumeFacts f;
-             f.moment = static_cast<trainsan::ResumeFacts::Moment>(ints[0]);
-             f.opt = ints[1];
-             f.optimizer_type = strs[0];
-             f.prefix = strs[1];
-             f.progress = strs[2];
-             f.prefix_keys = ints[2];
-             f.optimizer_with_state = ints[3];
-             f.scheduler_epoch = ints[4];
-             f.checkpoint_has_optimizer_state = ints[5] != 0;
-             f.optimizer_restored = ints[6] != 0;
-             f.stateful = ints[7] != 0;
-             f.scheduler_restored = ints[8] != 0;
-             f.lr = reals[0];
-             f.checkpoint_lr = reals[1];
-             f.dropped_frozen = std::move(dropped_frozen);
-             f.dropped_unoptimized = std::move(dropped_unoptimized);
-             f.state_mismatched = std::move(state_mismatched);
-             h->san->resume(f);
+           [](const H& h, FactsDict facts) {
+             h->san->resume(facts_from_dict<trainsan::ResumeFacts>(facts));
              return h->take();
            })
       .def("checkpoint",
-           [](const H& h, std::string source, std::string load_error,
-              std::vector<std::string> nonfinite_keys, std::vector<int64_t> nonfinite_counts,
-              bool have_model, bool model_found, std::string model_key, int64_t model_keys,
-              std::vector<std::string> missing_trainable, std::vector<std::string> missing_other,
-              std::vector<std::string> unexpected, std::vector<std::string> mismatched,
-              bool ddp_prefix, bool have_optimizer_state, int64_t optimizer_params,
-              int64_t optimizer_with_state, int64_t live_with_state,
-              std::vector<std::string> state_mismatched, int64_t step_saved, int64_t step_live) {
-             h->san->checkpoint(checkpoint_facts(
-                 source, load_error, nonfinite_keys, nonfinite_counts, have_model, model_found,
-                 model_key, model_keys, missing_trainable, missing_other, unexpected, mismatched,
-                 ddp_prefix, have_optimizer_state, optimizer_params, optimizer_with_state,
-                 live_with_state, state_mismatched, step_saved, step_live));
+           [](const H& h, FactsDict contents) {
+             h->san->checkpoint(trainsan::checkpoint_facts(
+                 facts_from_dict<trainsan::CheckpointContents>(contents)));
              return h->take();
            })
       .def("trace_record", [](const H& h, std::string json) { h->san->trace_record(json); })
       .def("provenance",
-           // Flattened: per origin 5 strings (module, type, dtype, autocast, prior_where), its
-           // prior_absmax, and 6 ints
-           // (backward, inf_only, position, checked, parameters beyond fp16, input), those
-           // parameters'
-           // names and counts in order; per fp16 range overflow 3 strings (module, type, dtype)
-           // and its largest magnitude.
-           [](const H& h, int64_t forward_checked, int64_t backward_checked,
-              std::vector<std::string> origin_strs, std::vector<double> origin_reals,
-              std::vector<int64_t> origin_ints, std::vector<std::string> beyond_names,
-              std::vector<int64_t> beyond_counts, std::vector<std::string> range_strs,
-              std::vector<double> range_max) {
-             trainsan::Provenance p;
-             p.forward_checked = forward_checked;
-             p.backward_checked = backward_checked;
-             size_t b = 0;
-             for (size_t k = 0; 5 * k + 4 < origin_strs.size() && 6 * k + 5 < origin_ints.size() &&
-                                k < origin_reals.size();
-                  ++k) {
-               trainsan::ModuleOrigin o;
-               o.module = origin_strs[5 * k];
-               o.type = origin_strs[5 * k + 1];
-               o.dtype = origin_strs[5 * k + 2];
-               o.autocast = origin_strs[5 * k + 3];
-               o.prior_where = origin_strs[5 * k + 4];
-               o.prior_absmax = origin_reals[k];
-               o.backward = origin_ints[6 * k] != 0;
-               o.inf_only = origin_ints[6 * k + 1] != 0;
-               o.position = origin_ints[6 * k + 2];
-               o.checked = origin_ints[6 * k + 3];
-               for (int64_t j = 0; j < origin_ints[6 * k + 4] && b < beyond_names.size() &&
-                                   b < beyond_counts.size();
-                    ++j, ++b) {
-                 o.beyond_fp16.emplace_back(beyond_names[b], beyond_counts[b]);
-               }
-               o.input = origin_ints[6 * k + 5] != 0;
-               (o.backward ? p.backward : p.forward) = std::move(o);
-             }
-             for (size_t k = 0; 3 * k + 2 < range_strs.size() && k < range_max.size(); ++k) {
-               p.fp16_range.push_back(
-                   {range_strs[3 * k], range_strs[3 * k + 1], range_strs[3 * k + 2], range_max[k]});
-             }
-             h->san->provenance(p);
+           [](const H& h, FactsDict facts) {
+             h->san->provenance(facts_from_dict<trainsan::Provenance>(facts));
              return h->take();
            })
       .def("local_shards",
@@ -404,29 +294,15 @@ TORCH_LIBRARY(trainsan, m) {
              return h->take();
            })
       .def("saved_tensor_changed",
-           [](const H& h, std::string node, std::string tensor, std::vector<int64_t> sizes,
-              std::string dtype) {
-             h->san->saved_tensor_changed(
-                 {std::move(node), std::move(tensor), std::move(sizes), std::move(dtype)});
+           [](const H& h, FactsDict facts) {
+             h->san->saved_tensor_changed(facts_from_dict<trainsan::SavedTensorChange>(facts));
              return h->take();
            })
-      .def(
-          "custom_grad_result",
-          [](const H& h, std::string function, int64_t input_index, double analytic, double central,
-             double curvature, double scale, double unit, double noise, bool low_precision) {
-            trainsan::CustomGradResult r;
-            r.function = std::move(function);
-            r.input_index = input_index;
-            r.analytic = analytic;
-            r.central = central;
-            r.curvature = curvature;
-            r.scale = scale;
-            r.unit = unit;
-            r.noise = noise;
-            r.low_precision = low_precision;
-            h->san->custom_grad_result(r);
-            return h->take();
-          })
+      .def("custom_grad_result",
+           [](const H& h, FactsDict facts) {
+             h->san->custom_grad_result(facts_from_dict<trainsan::CustomGradResult>(facts));
+             return h->take();
+           })
       .def("compare_replicas", [](const H& h) { h->san->compare_replicas(); })
       .def("take_fingerprints",
            [](const H& h, bool wait_all) {
@@ -448,40 +324,8 @@ TORCH_LIBRARY(trainsan, m) {
              return out;
            })
       .def("replica_report",
-           [](const H& h, int64_t moment, int64_t step, int64_t opt, std::string group,
-              std::vector<int64_t> ranks, std::vector<std::string> tensors,
-              std::vector<std::string> whats, std::vector<int64_t> labels,
-              std::vector<int64_t> skipped, std::vector<int64_t> steps_at,
-              std::vector<int64_t> forwards, bool grads_agree, std::vector<int64_t> missing,
-              double waited_s, std::vector<std::string> missing_detail) {
-             // labels: len(ranks) entries per tensor (-1: unknown), flattened.
-             TORCH_CHECK_VALUE(moment >= 0 && moment <= 2, "replica_report: bad moment ", moment);
-             TORCH_CHECK_VALUE(
-                 tensors.size() == whats.size() &&
-                     (labels.empty() || labels.size() == tensors.size() * ranks.size()),
-                 "replica_report: tensors, whats and labels disagree in length");
-             trainsan::ReplicaReport r;
-             r.moment = static_cast<trainsan::ReplicaReport::Moment>(moment);
-             r.step = step;
-             r.opt = opt;
-             r.group = std::move(group);
-             r.ranks = ranks;
-             for (size_t k = 0; k < tensors.size(); ++k) {
-               trainsan::ReplicaMismatch m{tensors[k], whats[k], {}};
-               if (!labels.empty()) {
-                 const auto* b = labels.data() + k * ranks.size();
-                 if (*b >= 0) m.labels.assign(b, b + ranks.size());
-               }
-               r.mismatches.push_back(std::move(m));
-             }
-             for (const int64_t v : skipped) r.skipped.push_back(v != 0);
-             r.steps_at = std::move(steps_at);
-             r.forwards = std::move(forwards);
-             r.grads_agree = grads_agree;
-             r.missing = std::move(missing);
-             r.waited_s = waited_s;
-             r.missing_detail = std::move(missing_detail);
-             h->san->replica_report(r);
+           [](const H& h, FactsDict facts) {
+             h->san->replica_report(facts_from_dict<trainsan::ReplicaReport>(facts));
              return h->take();
            })
       .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import _native
 from ._patches import Patch
 
 _ops = torch.ops.trainsan
@@ -221,7 +222,9 @@ class SavedTensorCheck:
             if isinstance(name, tuple):
                 name, shape = name
             dtype = str(a.dtype).replace("torch.", "")
-            self._apply(self._handle.saved_tensor_changed(_node_name(), name or "", shape, dtype))
+            self._apply(self._handle.saved_tensor_changed(_native.facts(
+                "SavedTensorChange", node=_node_name(), tensor=name or "", sizes=shape,
+                dtype=dtype)))
         return a
 
 
@@ -411,7 +414,9 @@ class CustomGradCheck:
         self.functions_checked += 1
         found: list = []
         for k, a, c, curv, s, unit, noise, low in results:
-            found += self._handle.custom_grad_result(name, k, a, c, curv, s, unit, noise, low)
+            found += self._handle.custom_grad_result(_native.facts(
+                "CustomGradResult", function=name, input_index=k, analytic=a, central=c,
+                curvature=curv, scale=s, unit=unit, noise=noise, low_precision=low))
         self._apply(found)
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _native
 from ._facts import _local, run_guarded
 from .stats import FLOAT_FIELDS
 
@@ -235,9 +236,8 @@ class Provenance:
         if vals is None:
             return
         bad = ~torch.isfinite(vals).all(dim=1)
-        origin_strs, origin_reals, origin_ints, names, counts = [], [], [], [], []
         first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
-        range_strs, range_max = [], []
+        origin, ranges = None, []
         if first >= 0:
             name, module, typ, dtype, ac, is_input = p.meta[first]
             beyond = []
@@ -258,29 +258,27 @@ class Provenance:
                 n_j, _, _, d_j, _, in_j = p.meta[j]
                 where = (f"the {'input' if in_j else 'output'} of {n_j or 'the model'} "
                          f"({d_j})")
-            origin_strs += [name, typ, dtype, ac, where]
-            origin_reals.append(prior)
-            origin_ints += [int(backward), int(inf_only), first + 1, len(p.meta), len(beyond),
-                            int(is_input)]
-            names += [b[0] for b in beyond]
-            counts += [b[1] for b in beyond]
+            origin = _native.record(
+                "ModuleOrigin", module=name, type=typ, dtype=dtype, autocast=ac,
+                backward=backward, input=bool(is_input), inf_only=inf_only, position=first + 1,
+                checked=len(p.meta), beyond_fp16=beyond, prior_absmax=prior, prior_where=where)
             if not backward:
                 # float32 outputs beyond the fp16 range before it, under fp16 autocast: causes.
                 for k in range(first):
                     n2, _, t2, d2, ac2, _ = p.meta[k]
                     big = float(vals[k].abs().max())
                     if ac2 == "float16" and d2 in ("float32", "float64") and big > FP16_MAX:
-                        range_strs += [n2, t2, d2]
-                        range_max.append(big)
-                        if len(range_max) >= _MAX_RANGE:
+                        ranges.append(_native.record("RangeOverflow", module=n2, type=t2,
+                                                     dtype=d2, absmax=big))
+                        if len(ranges) >= _MAX_RANGE:
                             break
-        fc = len(p.meta) if not backward else 0
-        bc = len(p.meta) if backward else 0
         san = self._san_ref()
         if san is not None and not san._closed:
-            san._apply(san._handle.provenance(
-                fc, bc, origin_strs, origin_reals, origin_ints, names, counts, range_strs,
-                range_max))
+            san._apply(san._handle.provenance(_native.facts(
+                "Provenance", forward_checked=0 if backward else len(p.meta),
+                backward_checked=len(p.meta) if backward else 0,
+                forward=None if backward else origin, backward=origin if backward else None,
+                fp16_range=ranges)))
 
 
 # -- precision headroom ------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import _native
 from ._facts import _is_dtensor, _local, run_guarded
 from ._tables import OPTIONS
 from .stats import INT_FIELDS
@@ -562,9 +563,16 @@ class ReplicaComparison:
 
     def _report(self, moment, step, opt, s, tensors, whats, labels, skipped, steps_at, forwards,
                 grads_agree, missing, waited, detail) -> None:
-        reports = self._handle.replica_report(
-            moment, step, opt, s.context, list(s.ranks), tensors, whats, labels,
-            [int(v) for v in skipped], steps_at, forwards, grads_agree, missing, waited, detail)
+        # labels: len(ranks) classes per tensor, flattened (-1: not known for that tensor).
+        n = len(s.ranks)
+        mismatches = [{"tensor": t, "what": w, "labels": labels[k * n:(k + 1) * n]
+                       if labels and labels[k * n] >= 0 else []}
+                      for k, (t, w) in enumerate(zip(tensors, whats))]
+        reports = self._handle.replica_report(_native.facts(
+            "ReplicaReport", moment=moment, step=step, opt=opt, group=s.context,
+            ranks=list(s.ranks), mismatches=mismatches, skipped=[bool(v) for v in skipped],
+            steps_at=steps_at, forwards=forwards, grads_agree=grads_agree, missing=missing,
+            waited_s=waited, missing_detail=detail))
         if self._collect is not None:
             self._collect.extend(reports)
         else:

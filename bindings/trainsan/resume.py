@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _native
 from ._findings import TrainingBugError
 from ._patches import Patch, _open_sanitizers
 from .checkpoint import state_mismatches
@@ -190,15 +191,11 @@ class ResumeWatch:
                 return k
         return None
 
-    def _send(self, moment: int, opt: int = -1, opt_type: str = "", prefix: str = "",
-              progress: str = "", ints=(0, 0, 0, 0, 0, 0, 0), reals=(math.nan, math.nan),
-              frozen=(), unoptimized=(), mismatched=()) -> None:
+    def _send(self, **facts) -> None:
+        """A resume event: trainsan::ResumeFacts by field name (resume_facts.def)."""
         san = self._san()
-        if san is None:
-            return
-        san._apply(san._handle.resume([opt_type, prefix, progress], [moment, opt, *ints],
-                                      list(reals), list(frozen), list(unoptimized),
-                                      list(mismatched)))
+        if san is not None:
+            san._apply(san._handle.resume(_native.facts("ResumeFacts", **facts)))
 
     def model_loaded(self, module, state_dict, strict: bool, result) -> None:
         san = self._san()
@@ -207,7 +204,7 @@ class ResumeWatch:
         info = _lookup(state_dict)
         self._pending = {k: info for k in range(len(san._optimizers))}
         if strict or result is None:
-            self._send(0)  # the resume event (Note [Replayed data])
+            self._send(moment=0)  # the resume event (Note [Replayed data])
             return
         missing = list(getattr(result, "missing_keys", []))
         unexpected = list(getattr(result, "unexpected_keys", []))
@@ -217,8 +214,8 @@ class ResumeWatch:
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
                  and san._optimizers and id(params[k]) not in optimized]
-        self._send(0, prefix=prefix, ints=(matched, 0, 0, 0, 0, 0, 0), frozen=frozen,
-                   unoptimized=unopt)
+        self._send(moment=0, prefix=prefix, prefix_keys=matched, dropped_frozen=frozen,
+                   dropped_unoptimized=unopt)
 
     def optimizer_loaded(self, opt) -> None:
         k = self._index(opt)
@@ -227,10 +224,9 @@ class ResumeWatch:
         self._restored.add(k)
         san = self._san()
         names = {id(p): n for n, p in san._model.named_parameters()}
-        params = [p for g in opt.param_groups for p in g["params"]]
-        bad = state_mismatches(params, [opt.state.get(p) for p in params], names)
+        bad = state_mismatches(opt, names)
         if bad:
-            self._send(1, opt=k, opt_type=type(opt).__name__, mismatched=bad)
+            self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
 
     def scheduler_loaded(self, sched) -> None:
         k = self._index(getattr(sched, "optimizer", None))
@@ -250,10 +246,11 @@ class ResumeWatch:
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
         lr = float(lr) if isinstance(lr, (int, float)) else math.nan
         sched_ok = k in self._sched_restored
-        self._send(2, opt=k, opt_type=type(opt).__name__, progress=info.progress,
-                   ints=(0, with_state, info.scheduler_epoch, int(info.has_optimizer_state),
-                         int(k in self._restored), int(_stateful(opt)), int(sched_ok)),
-                   reals=(lr, info.lr))
+        self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, progress=info.progress,
+                   optimizer_with_state=with_state, scheduler_epoch=info.scheduler_epoch,
+                   checkpoint_has_optimizer_state=info.has_optimizer_state,
+                   optimizer_restored=k in self._restored, stateful=_stateful(opt),
+                   scheduler_restored=sched_ok, lr=lr, checkpoint_lr=info.lr)
 
 
 def _prefix(missing: list, unexpected: list) -> tuple:

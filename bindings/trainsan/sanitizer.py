@@ -323,7 +323,7 @@ class Sanitizer:
         facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
                        part_ok=True)
         self._py_overhead += time.perf_counter() - t0
-        self._apply(self._handle.checkpoint(*facts.args()))
+        self._apply(self._handle.checkpoint(facts.fields()))
 
     def _activation(self, name: str, module, args, output):
         if self._closed or not torch.is_grad_enabled():

@@ -1,11 +1,16 @@
 // A small LibTorch training loop under trainsan::Sanitizer, built against the installed package
 // (tests/consumer/CMakeLists.txt). A clean run has no error finding; the same loop without
-// zero_grad has stale_grad. Exit status 0 when both hold.
+// zero_grad has stale_grad; a torch::save of the model with a NaN weight is a bad_checkpoint
+// (trainsan::check_checkpoint). Exit status 0 when all hold.
 #include <torch/torch.h>
 #include <trainsan/trainsan.h>
 #include <trainsan/version.h>
+#include <unistd.h>
 
+#include <cmath>
+#include <cstdio>
 #include <iostream>
+#include <memory>
 #include <string>
 
 namespace {
@@ -42,6 +47,23 @@ std::vector<trainsan::Finding> train(bool zero_grad) {
   return san.findings();
 }
 
+// A model saved with a NaN weight, checked against itself: one bad_checkpoint finding.
+bool nan_checkpoint_found() {
+  auto net = std::make_shared<Net>();
+  {
+    torch::NoGradGuard no_grad;
+    net->fc1->weight[0][0] = NAN;
+  }
+  char path[] = "/tmp/trainsan_consumer_XXXXXX";
+  const int fd = ::mkstemp(path);
+  if (fd < 0) return false;
+  ::close(fd);
+  torch::save(net, path);
+  const auto out = trainsan::check_checkpoint(std::string(path), net.get());
+  std::remove(path);
+  return out.size() == 1 && out[0].kind == "bad_checkpoint";
+}
+
 }  // namespace
 
 int main() {
@@ -52,9 +74,14 @@ int main() {
       return 1;
     }
   }
+  if (!nan_checkpoint_found()) {
+    std::cerr << "FAIL: no bad_checkpoint for a save with a NaN weight\n";
+    return 1;
+  }
   for (const auto& f : train(/*zero_grad=*/false)) {
     if (f.kind == "stale_grad") {
-      std::cout << "found " << f.kind << " at step " << f.step << " (" << f.tensor << ")\n";
+      std::cout << "found " << f.kind << " at step " << f.step << " (" << f.tensor
+                << "), and the NaN checkpoint\n";
       return 0;
     }
   }

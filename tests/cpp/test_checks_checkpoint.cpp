@@ -1,8 +1,10 @@
-// The checkpoint family (host/checks/checkpoint.cpp) on synthetic facts: one finding per kind of
-// fault, the legitimate partial saves silent.
+// The checkpoint family on synthetic facts (host/checks/checkpoint.cpp: one finding per kind of
+// fault, the legitimate partial saves silent) and its gatherer on hand-built descriptions
+// (host/checks/checkpoint_facts.cpp).
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "checks/check.h"
 #include "fake_sink.h"
@@ -88,6 +90,236 @@ TEST(CheckpointCheck, UnloadableOrForeignCheckpoints) {
   out = judge_checkpoint(g);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_TRUE(has(out[0].message, "'module.' prefix")) << out[0].message;
+}
+
+// --- the gatherer (host/checks/checkpoint_facts.cpp) ---
+
+TensorDesc desc(const std::string& key, std::vector<int64_t> sizes,
+                const std::string& dtype = "float32", int64_t nonfinite = 0) {
+  TensorDesc t;
+  t.key = key;
+  t.numel = 1;
+  for (const int64_t s : sizes) t.numel *= s;
+  t.sizes = std::move(sizes);
+  t.dtype = dtype;
+  t.nonfinite = nonfinite;
+  return t;
+}
+
+// Linear(8, 16), BatchNorm1d(16), ReLU, Linear(16, 2) as nn.Sequential names them.
+ModelDesc mlp() {
+  ModelDesc m;
+  m.state = {desc("0.weight", {16, 8}),
+             desc("0.bias", {16}),
+             desc("1.weight", {16}),
+             desc("1.bias", {16}),
+             desc("1.running_mean", {16}),
+             desc("1.running_var", {16}),
+             desc("1.num_batches_tracked", {}, "int64"),
+             desc("3.weight", {2, 16}),
+             desc("3.bias", {2})};
+  for (const TensorDesc& t : m.state) {
+    if (t.key.find("running") == std::string::npos && t.key.find("num_") == std::string::npos) {
+      m.trainable.push_back(t);
+    }
+  }
+  return m;
+}
+
+// A checkpoint {"model": <state dict>} holding `entries`.
+CheckpointDesc saved(const std::vector<TensorDesc>& entries, const std::string& path = "model") {
+  CheckpointDesc d;
+  d.source = "ckpt.pt";
+  for (TensorDesc t : entries) {
+    t.key = path.empty() ? t.key : path + "." + t.key;
+    d.tensors.push_back(t);
+  }
+  d.state_dicts.push_back({path, entries});
+  d.model = {mlp()};
+  return d;
+}
+
+OptimizerDesc optimizer(const std::string& path, const std::vector<TensorDesc>& params,
+                        const std::vector<std::vector<TensorDesc>>& state, int64_t step = -1) {
+  OptimizerDesc o;
+  o.path = path;
+  for (size_t k = 0; k < state.size(); ++k) {
+    OptimizerSlotDesc s;
+    if (k < params.size()) s.param = params[k];
+    s.has_state = !state[k].empty();
+    s.step = s.has_state ? step : -1;
+    s.state = state[k];
+    o.slots.push_back(s);
+  }
+  return o;
+}
+
+std::vector<std::vector<TensorDesc>> adam_state(const std::vector<TensorDesc>& params) {
+  std::vector<std::vector<TensorDesc>> out;
+  for (const TensorDesc& p : params) {
+    out.push_back({desc("step", {}), desc("exp_avg", p.sizes), desc("exp_avg_sq", p.sizes)});
+  }
+  return out;
+}
+
+TEST(GatherCheckpoint, TheModelsOwnStateIsClean) {
+  const CheckpointFacts f = gather_checkpoint(saved(mlp().state));
+  EXPECT_TRUE(f.have_model);
+  EXPECT_TRUE(f.model_found);
+  EXPECT_EQ(f.model_key, "model");
+  EXPECT_EQ(f.model_keys, 9);
+  EXPECT_TRUE(f.missing_trainable.empty() && f.missing_other.empty() && f.unexpected.empty());
+  EXPECT_TRUE(f.mismatched.empty() && f.nonfinite.empty());
+  EXPECT_FALSE(f.have_optimizer_state);
+  EXPECT_TRUE(judge_checkpoint(f).empty());
+}
+
+TEST(GatherCheckpoint, NonfiniteTensorsByPath) {
+  std::vector<TensorDesc> state = mlp().state;
+  state[0].nonfinite = 1;
+  state[7].nonfinite = 3;
+  const CheckpointFacts f = gather_checkpoint(saved(state));
+  ASSERT_EQ(f.nonfinite.size(), 2u);
+  EXPECT_EQ(f.nonfinite[0].key, "model.0.weight");
+  EXPECT_EQ(f.nonfinite[0].count, 1);
+  EXPECT_EQ(f.nonfinite[0].numel, 128);
+  EXPECT_EQ(f.nonfinite[1].key, "model.3.weight");
+  CheckpointDesc d = saved(state);
+  d.load_error = "Unsupported global";  // nothing was loaded: nothing else is looked at
+  const CheckpointFacts g = gather_checkpoint(d);
+  EXPECT_TRUE(g.nonfinite.empty());
+  EXPECT_FALSE(g.have_model);
+}
+
+TEST(GatherCheckpoint, MissingUnexpectedAndMismatchedEntries) {
+  std::vector<TensorDesc> state;
+  for (const TensorDesc& t : mlp().state) {
+    if (t.key == "3.weight" || t.key == "1.running_mean") continue;
+    state.push_back(t);
+  }
+  state[0].sizes = {32, 8};    // 0.weight: another version of the model
+  state[1].dtype = "float16";  // 0.bias
+  state.push_back(desc("extra.bias", {2}));
+  const CheckpointFacts f = gather_checkpoint(saved(state));
+  EXPECT_EQ(f.missing_trainable, std::vector<std::string>{"3.weight"});
+  EXPECT_EQ(f.missing_other, std::vector<std::string>{"1.running_mean"});
+  EXPECT_EQ(f.unexpected, std::vector<std::string>{"extra.bias"});
+  ASSERT_EQ(f.mismatched.size(), 2u);
+  EXPECT_EQ(f.mismatched[0],
+            "0.weight: [32, 8] float32 in the checkpoint, [16, 8] float32 in the model");
+  EXPECT_EQ(f.mismatched[1], "0.bias: [16] float16 in the checkpoint, [16] float32 in the model");
+  EXPECT_EQ(judge_checkpoint(f).size(), 2u);  // the keys, the shapes
+}
+
+TEST(GatherCheckpoint, FrozenEntriesMissingAreAnAdapterSave) {
+  ModelDesc m = mlp();
+  m.trainable.erase(m.trainable.begin(), m.trainable.begin() + 2);  // 0.* frozen
+  std::vector<TensorDesc> state;
+  for (const TensorDesc& t : m.state) {
+    if (t.key.rfind("0.", 0) != 0) state.push_back(t);
+  }
+  CheckpointDesc d = saved(state, "");
+  d.model = {m};
+  const CheckpointFacts f = gather_checkpoint(d);
+  EXPECT_TRUE(f.model_found);
+  EXPECT_EQ(f.model_key, "");
+  EXPECT_TRUE(f.missing_trainable.empty());
+  EXPECT_EQ(f.missing_other.size(), 2u);
+  EXPECT_TRUE(judge_checkpoint(f).empty());
+}
+
+TEST(GatherCheckpoint, ForeignStateAndDdpPrefix) {
+  CheckpointDesc d = saved({desc("encoder.weight", {4, 4})});
+  CheckpointFacts f = gather_checkpoint(d);
+  EXPECT_TRUE(f.have_model);
+  EXPECT_FALSE(f.model_found);
+  std::vector<TensorDesc> prefixed = mlp().state;
+  for (TensorDesc& t : prefixed) t.key = "module." + t.key;
+  f = gather_checkpoint(saved(prefixed, ""));
+  EXPECT_TRUE(f.model_found && f.ddp_prefix);
+  ASSERT_EQ(judge_checkpoint(f).size(), 1u);
+  // A wrapper (DDP) checked against its inner module's keys: the inner state dict is the model.
+  CheckpointDesc w = saved(mlp().state, "");
+  ModelDesc outer = mlp();
+  for (TensorDesc& t : outer.state) t.key = "module." + t.key;
+  for (TensorDesc& t : outer.trainable) t.key = "module." + t.key;
+  w.model = {outer, mlp()};
+  f = gather_checkpoint(w);
+  EXPECT_TRUE(f.model_found);
+  EXPECT_FALSE(f.ddp_prefix);
+  EXPECT_TRUE(f.missing_trainable.empty() && f.unexpected.empty());
+}
+
+TEST(GatherCheckpoint, PartsOfTheModelWhileAttached) {
+  std::vector<TensorDesc> head;
+  for (const TensorDesc& t : mlp().state) {
+    if (t.key.rfind("3.", 0) == 0) head.push_back(t);
+  }
+  CheckpointDesc d = saved(head);
+  d.part_ok = true;  // 2 of 9 keys: a part, not judged as the model
+  EXPECT_FALSE(gather_checkpoint(d).have_model);
+  d.part_ok = false;  // checked as the model: it lacks the rest
+  EXPECT_EQ(gather_checkpoint(d).missing_trainable.size(), 4u);
+  CheckpointDesc other = saved({desc("x", {1})});
+  other.part_ok = true;  // nothing of the model: something else saved
+  EXPECT_FALSE(gather_checkpoint(other).have_model);
+}
+
+TEST(GatherCheckpoint, OptimizerStateAgainstTheLiveOptimizer) {
+  const std::vector<TensorDesc> params = mlp().trainable;
+  CheckpointDesc d = saved(mlp().state);
+  // A fresh optimizer's state saved for the trained one.
+  d.saved_optimizers = {optimizer("optimizer", {}, std::vector<std::vector<TensorDesc>>(6))};
+  d.optimizers = {optimizer("", params, adam_state(params), 5)};
+  CheckpointFacts f = gather_checkpoint(d);
+  EXPECT_TRUE(f.have_optimizer_state);
+  EXPECT_EQ(f.optimizer_params, 6);
+  EXPECT_EQ(f.optimizer_with_state, 0);
+  EXPECT_EQ(f.live_with_state, 6);
+  EXPECT_EQ(f.optimizer_step_live, 5);
+  EXPECT_EQ(f.optimizer_step_saved, -1);
+  // The optimizer's own state, two steps behind: a stale snapshot.
+  d.saved_optimizers = {optimizer("optimizer", {}, adam_state(params), 3)};
+  f = gather_checkpoint(d);
+  EXPECT_EQ(f.optimizer_with_state, 6);
+  EXPECT_EQ(f.optimizer_step_saved, 3);
+  EXPECT_TRUE(f.state_mismatched.empty());
+  const auto out = judge_checkpoint(f);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(has(out[0].message, "from its step 3 while the optimizer is at step 5"));
+}
+
+TEST(GatherCheckpoint, OptimizerStateBoundByPosition) {
+  std::vector<TensorDesc> params = mlp().trainable;
+  std::vector<TensorDesc> reversed(params.rbegin(), params.rend());
+  CheckpointDesc d = saved(mlp().state);
+  // Saved from an optimizer over the parameters in reverse order, checked against the model.
+  d.saved_optimizers = {optimizer("opt", {}, adam_state(reversed))};
+  CheckpointFacts f = gather_checkpoint(d);
+  ASSERT_FALSE(f.state_mismatched.empty());
+  EXPECT_EQ(f.state_mismatched[0], "exp_avg of parameter 0 (0.weight): [2], the parameter [16, 8]");
+  EXPECT_EQ(f.live_with_state, -1);  // no live optimizer: coverage and steps not compared
+  // Against the optimizer that made it, the same state fits.
+  d.optimizers = {optimizer("", reversed, adam_state(reversed))};
+  EXPECT_TRUE(gather_checkpoint(d).state_mismatched.empty());
+  // Factored state (Adafactor's row/column variances) is not per element.
+  std::vector<std::vector<TensorDesc>> factored;
+  for (const TensorDesc& p : params) factored.push_back({desc("row_var", {p.sizes[0]})});
+  d.optimizers.clear();
+  d.saved_optimizers = {optimizer("opt", {}, factored)};
+  EXPECT_TRUE(gather_checkpoint(d).state_mismatched.empty());
+  // Another parameter count.
+  factored.pop_back();
+  d.saved_optimizers = {optimizer("opt", {}, factored)};
+  f = gather_checkpoint(d);
+  EXPECT_EQ(f.state_mismatched,
+            std::vector<std::string>{"opt holds 5 parameters, the optimizer it belongs to 6"});
+  // Two saved states without live optimizers: nothing to bind them to.
+  d.saved_optimizers = {optimizer("a", {}, adam_state(reversed)),
+                        optimizer("b", {}, adam_state(reversed))};
+  f = gather_checkpoint(d);
+  EXPECT_TRUE(f.state_mismatched.empty());
+  EXPECT_EQ(f.optimizer_params, 12);
 }
 
 TEST(ResumeCheck, FirstStepRules) {

@@ -1,50 +1,121 @@
-// Facts of a checkpoint (bad_checkpoint), gathered by the caller — the Python package's torch.save
-// patch and `trainsan.check_checkpoint` (bindings/trainsan/checkpoint.py), or a LibTorch
-// program's own — and judged and worded by host/checks/checkpoint.cpp. Torch-free.
+// Facts of a checkpoint (bad_checkpoint) and the gatherer that builds them from plain descriptions
+// of what the checkpoint, the model and the optimizers hold (host/checks/checkpoint_facts.cpp);
+// judged and worded by host/checks/checkpoint.cpp. The descriptions are made from tensors by
+// trainsan/checkpoint.h (LibTorch), whose callers are the Python package's torch.save patch and
+// `trainsan.check_checkpoint` (bindings/trainsan/checkpoint.py) and LibTorch programs. Torch-free.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
-/// A tensor of the checkpoint holding NaN or ±Inf.
+/// A tensor of the checkpoint holding NaN or ±Inf (fields: checkpoint_nonfinite.def).
 struct CheckpointNonfinite {
-  std::string key;  ///< its path in the saved object, e.g. "model.fc1.weight"
-  int64_t count = 0;
-  int64_t numel = 0;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/checkpoint_nonfinite.def"
+#undef TRAINSAN_FACT
 };
 
+/// What a checkpoint holds against its model and optimizer (fields: checkpoint_facts.def).
 struct CheckpointFacts {
-  std::string source;  ///< the file, or what is being saved ("torch.save to ckpt.pt")
-  /// torch.load(weights_only=True) refused it (it needs arbitrary code to load): why.
-  std::string load_error;
-  std::vector<CheckpointNonfinite> nonfinite;
-  // --- checked against a model (the attached one, or one given) ---
-  bool have_model = false;
-  bool model_found = false;  ///< a state dict with the model's keys was found in it
-  std::string model_key;     ///< where: "" (the object itself), "model", ...
-  int64_t model_keys = 0;    ///< entries in the model's state dict
-  std::vector<std::string> missing_trainable;  ///< trainable parameters it does not hold
-  std::vector<std::string> missing_other;      ///< other entries (frozen, buffers) it lacks
-  std::vector<std::string> unexpected;         ///< keys the model does not have
-  /// "key: [16, 8] float32 in the checkpoint, [8, 16] float32 in the model"
-  std::vector<std::string> mismatched;
-  bool ddp_prefix = false;  ///< its keys are the model's with DDP's "module." prefix
-  // --- optimizer state ---
-  bool have_optimizer_state = false;  ///< an optimizer state dict (state, param_groups) in it
-  int64_t optimizer_params = 0;       ///< parameters in its param_groups
-  int64_t optimizer_with_state = 0;   ///< of those, with state
-  /// The optimizer it was saved from (attached) or checked against: parameters with state now;
-  /// -1 where there is none to compare with.
-  int64_t live_with_state = -1;
-  /// "exp_avg of parameter 3 (fc2.weight): [4, 8], the parameter [8, 4]"
-  std::vector<std::string> state_mismatched;
-  /// The step counters of the optimizer state in it and of the optimizer it was saved from (the
-  /// largest per-parameter "step"); -1 where unknown.
-  int64_t optimizer_step_saved = -1;
-  int64_t optimizer_step_live = -1;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/checkpoint_facts.def"
+#undef TRAINSAN_FACT
 };
+
+template <>
+struct FactTable<CheckpointNonfinite> {
+  static constexpr const char* kName = "CheckpointNonfinite";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/checkpoint_nonfinite.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<CheckpointFacts> {
+  static constexpr const char* kName = "CheckpointFacts";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/checkpoint_facts.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+// --- descriptions (what gather_checkpoint reads) ---
+
+/// A tensor as the checkpoint rules see it.
+struct TensorDesc {
+  std::string key;             ///< its path in the checkpoint, or its key in a state dict
+  std::vector<int64_t> sizes;  ///< its shape
+  std::string dtype;           ///< "float32", "bfloat16", ... ("" for a value that is no tensor)
+  int64_t numel = 0;
+  int64_t nonfinite = 0;  ///< NaN and ±Inf elements (0 for a tensor that is not floating point)
+};
+
+/// A dict of tensors in the checkpoint (a state dict, or any dict whose values are all tensors).
+struct StateDictDesc {
+  std::string path;                 ///< where: "" (the object itself), "model", "ema", ...
+  std::vector<TensorDesc> entries;  ///< by its own keys, in its order
+};
+
+/// The model's state dict: the whole model's, and for a wrapper (DistributedDataParallel) its
+/// inner module's as a second one.
+struct ModelDesc {
+  std::vector<TensorDesc> state;  ///< state_dict() entries, in its order
+  /// Its parameters that require grad (named_parameters(): each tensor once), in order: the
+  /// trainable keys, and the parameters an optimizer over the model holds by position.
+  std::vector<TensorDesc> trainable;
+};
+
+/// One parameter position of an optimizer (its param_groups, flattened in order).
+struct OptimizerSlotDesc {
+  /// A live optimizer's parameter: key = its name in the model ("?" where unknown), and its
+  /// shape. Empty in a saved optimizer state.
+  TensorDesc param;
+  bool has_state = false;         ///< its state is not empty
+  int64_t step = -1;              ///< its "step" counter; -1 where it has none (or not finite)
+  std::vector<TensorDesc> state;  ///< its state entries by key ("exp_avg", "step", ...)
+};
+
+/// An optimizer: a state dict saved in the checkpoint, or a live optimizer.
+struct OptimizerDesc {
+  std::string path;  ///< where in the checkpoint ("optimizer"); "" for a live optimizer
+  std::vector<OptimizerSlotDesc> slots;
+};
+
+/// What gather_checkpoint compares: the checkpoint's contents and what it is checked against.
+struct CheckpointDesc {
+  std::string source;      ///< CheckpointFacts::source
+  std::string load_error;  ///< CheckpointFacts::load_error (then nothing else is looked at)
+  std::vector<TensorDesc> tensors;              ///< every tensor in it, by path
+  std::vector<StateDictDesc> state_dicts;       ///< its dicts of tensors
+  std::vector<OptimizerDesc> saved_optimizers;  ///< its optimizer state dicts
+  /// The model: none (not checked against one), its state dict, or a wrapper's then its inner
+  /// module's.
+  std::vector<ModelDesc> model;
+  /// The optimizers it was saved from (attached) or is checked against, in the order of
+  /// saved_optimizers.
+  std::vector<OptimizerDesc> optimizers;
+  /// A save while attached: a state dict covering less than half of the model is a part of it (a
+  /// submodule's), not judged as the model.
+  bool part_ok = false;
+};
+
+/// The facts of a checkpoint (Note [Checkpoint checks] in host/checks/checkpoint.cpp).
+CheckpointFacts gather_checkpoint(const CheckpointDesc& desc);
+
+/// Per parameter position of `live` whose per-element optimizer state (exp_avg, momentum_buffer,
+/// ...: the entries shaped like their parameter) in `saved` has another shape than the parameter:
+/// "exp_avg of parameter 3 (fc.weight): [4, 8], the parameter [8, 4]" (the first such entry of
+/// each). `saved` holds the state of `live`'s parameters by position (it may be `live` itself).
+std::vector<std::string> state_mismatches(const OptimizerDesc& live, const OptimizerDesc& saved);
 
 }  // namespace trainsan

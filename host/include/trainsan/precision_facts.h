@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
 /// One step of a gradient scaler (torch.amp.GradScaler.step): whether it skipped the optimizer's
@@ -20,47 +22,66 @@ struct ScalerStep {
   double scale = std::numeric_limits<double>::quiet_NaN();  ///< NaN where unknown
 };
 
+/// Names with counts, e.g. parameters and how many of their values are beyond a range.
+using NamedCounts = std::vector<std::pair<std::string, int64_t>>;
+
 /// A module output (forward) or the gradient of one (backward) where a non-finite value first
-/// appeared in a step, in execution order, as the armed module hooks' flags say.
+/// appeared in a step, in execution order, as the armed module hooks' flags say (fields:
+/// module_origin.def).
 struct ModuleOrigin {
-  std::string module;  ///< its qualified name in the model ("" for the model itself)
-  std::string type;    ///< its class, e.g. "Linear"
-  std::string dtype;   ///< the dtype of the non-finite tensor, e.g. "float16"
-  /// The autocast dtype in force when the module ran ("" outside autocast).
-  std::string autocast;
-  bool backward = false;  ///< the gradient of its output, not its output
-  /// An input of the module that no module output before it held: made by its parent's own
-  /// forward code between submodules (or, for the model itself, the batch).
-  bool input = false;
-  bool inf_only = false;  ///< ±Inf but no NaN (an overflow rather than 0/0, Inf-Inf, ...)
-  int64_t position = 0;   ///< 1-based place among the tensors checked in that pass
-  int64_t checked = 0;    ///< how many were checked in that pass
-  /// Its own parameters holding finite values beyond ±65504 (name, count): under fp16 autocast
-  /// they become Inf when cast.
-  std::vector<std::pair<std::string, int64_t>> beyond_fp16;
-  /// The largest magnitude among the tensors flagged before it in that pass (0: none), and where:
-  /// a clue to an overflow that a later operation turned into NaN (Inf - Inf, softmax of Inf).
-  double prior_absmax = 0.0;
-  std::string prior_where;  ///< e.g. "the output of attn.qkv (float16)"
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/module_origin.def"
+#undef TRAINSAN_FACT
 };
 
 /// A float32/float64 module output beyond the fp16 range (±65504) in a forward under fp16
-/// autocast: the next autocast op that casts it to fp16 turns those values into Inf.
+/// autocast: the next autocast op that casts it to fp16 turns those values into Inf (fields:
+/// range_overflow.def).
 struct RangeOverflow {
-  std::string module;
-  std::string type;
-  std::string dtype;
-  double absmax = 0.0;  ///< its largest finite magnitude
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/range_overflow.def"
+#undef TRAINSAN_FACT
 };
 
-/// What the armed module hooks found in one training step (overflow provenance).
+/// What the armed module hooks found in one training step (overflow provenance; fields:
+/// provenance.def).
 struct Provenance {
-  int64_t step = 0;
-  int64_t forward_checked = 0;   ///< module outputs checked in the forward
-  int64_t backward_checked = 0;  ///< output gradients checked in the backward
-  std::optional<ModuleOrigin> forward;
-  std::optional<ModuleOrigin> backward;
-  std::vector<RangeOverflow> fp16_range;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/provenance.def"
+#undef TRAINSAN_FACT
+};
+
+template <>
+struct FactTable<ModuleOrigin> {
+  static constexpr const char* kName = "ModuleOrigin";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/module_origin.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<RangeOverflow> {
+  static constexpr const char* kName = "RangeOverflow";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/range_overflow.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<Provenance> {
+  static constexpr const char* kName = "Provenance";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/provenance.def"
+#undef TRAINSAN_FACT
+  }
 };
 
 }  // namespace trainsan

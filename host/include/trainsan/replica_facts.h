@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
 /// Fingerprints of one step pass (Sanitizer::take_fingerprints): what this process holds after
@@ -24,44 +26,50 @@ struct StepFingerprints {
   std::vector<bool> has_grad;
 };
 
-/// A tensor that differs across the replicas of one comparison.
+/// A tensor that differs across the replicas of one comparison (fields: replica_mismatch.def).
 struct ReplicaMismatch {
-  std::string tensor;  ///< the parameter's (or buffer's) name
-  /// What differs: "parameter", "gradient", "optimizer state" or "buffer".
-  std::string what;
-  /// Per rank of ReplicaReport::ranks, the class of equal values it falls in (0: the class of
-  /// the most ranks, ties to the one holding the lowest rank); empty when unknown.
-  std::vector<int64_t> labels;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/replica_mismatch.def"
+#undef TRAINSAN_FACT
 };
 
-/// One comparison across a replica group, or its failure.
+/// One comparison across a replica group, or its failure (fields: replica_report.def).
 struct ReplicaReport {
   enum class Moment : uint8_t {
     kBeforeFirstStep = 0,  ///< the weights replicas start training from
     kAfterStep = 1,        ///< after a step (or an AMP-skipped step) of optimizer `opt`
     kMissing = 2,          ///< some ranks did not arrive at the comparison in time
   };
-  Moment moment = Moment::kAfterStep;
-  int64_t step = 0;  ///< the step compared (Note [Step numbering])
-  int64_t opt = -1;
-  std::string group;           ///< e.g. "the data-parallel group (DDP)"
-  std::vector<int64_t> ranks;  ///< global ranks of the group, ascending
-  std::vector<ReplicaMismatch> mismatches;
-  /// kAfterStep: per rank (as `ranks`), whether the GradScaler skipped this step there; empty
-  /// when every rank did the same.
-  std::vector<bool> skipped;
-  /// kAfterStep: per rank, the step count of `opt` it was at; empty when every rank was at the
-  /// same one (a rank that skipped or repeated optimizer.step() shifts the sequence).
-  std::vector<int64_t> steps_at;
-  /// Per rank, the training forwards it ran so far; empty when equal (explains a shift).
-  std::vector<int64_t> forwards;
-  /// Gradients were compared and agree (localises a parameter mismatch to the update).
-  bool grads_agree = false;
-  /// kMissing: the ranks that never arrived, the seconds waited, and per missing rank what is
-  /// known of it ("closed its sanitizer after 9 comparisons", ...; may be empty).
-  std::vector<int64_t> missing;
-  double waited_s = 0.0;
-  std::vector<std::string> missing_detail;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/replica_report.def"
+#undef TRAINSAN_FACT
+};
+
+template <>
+struct FactEnum<ReplicaReport::Moment> {
+  static constexpr int64_t kMax = 2;
+};
+
+template <>
+struct FactTable<ReplicaMismatch> {
+  static constexpr const char* kName = "ReplicaMismatch";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/replica_mismatch.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<ReplicaReport> {
+  static constexpr const char* kName = "ReplicaReport";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/replica_report.def"
+#undef TRAINSAN_FACT
+  }
 };
 
 /// The row one rank contributes to a comparison (Note [Replica payload], host/checks/replicas.cpp):

@@ -8,35 +8,36 @@
 #include <string>
 #include <vector>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
+/// One resume event (fields: resume_facts.def).
 struct ResumeFacts {
   enum class Moment : uint8_t {
     kModelLoad = 0,      ///< model.load_state_dict returned (strict=False: what it dropped)
     kOptimizerLoad = 1,  ///< optimizer.load_state_dict returned: the state against the parameters
     kFirstStep = 2,      ///< the first step of an optimizer after the model was loaded
   };
-  Moment moment = Moment::kModelLoad;
-  int64_t opt = -1;            ///< the optimizer concerned (its index in the sanitizer)
-  std::string optimizer_type;  ///< e.g. "AdamW"
-  // kModelLoad
-  std::vector<std::string> dropped_frozen;       ///< missing keys of frozen parameters
-  std::vector<std::string> dropped_unoptimized;  ///< missing keys of parameters in no optimizer
-  /// The state dict's keys were the model's under another prefix: nothing of them was loaded.
-  std::string prefix;
-  int64_t prefix_keys = 0;
-  // kOptimizerLoad
-  std::vector<std::string> state_mismatched;  ///< "exp_avg of parameter 3 (fc.weight): ..."
-  // kFirstStep
-  bool checkpoint_has_optimizer_state = false;  ///< ...whose object holds a non-empty one
-  bool optimizer_restored = false;   ///< optimizer.load_state_dict ran since the model's load
-  bool stateful = false;             ///< the optimizer keeps state (its state fills on a step)
-  int64_t optimizer_with_state = 0;  ///< parameters with state at this step, before it
-  std::string progress;         ///< the checkpoint's progress, e.g. "epoch=3" ("" where unknown)
-  int64_t scheduler_epoch = 0;  ///< a scheduler state's last_epoch in it (0: none)
-  bool scheduler_restored = false;  ///< a scheduler of this optimizer was restored
-  double lr = std::numeric_limits<double>::quiet_NaN();  ///< its first group's learning rate now
-  double checkpoint_lr = std::numeric_limits<double>::quiet_NaN();  ///< ...in the checkpoint
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/resume_facts.def"
+#undef TRAINSAN_FACT
+};
+
+template <>
+struct FactEnum<ResumeFacts::Moment> {
+  static constexpr int64_t kMax = 2;
+};
+
+template <>
+struct FactTable<ResumeFacts> {
+  static constexpr const char* kName = "ResumeFacts";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/resume_facts.def"
+#undef TRAINSAN_FACT
+  }
 };
 
 }  // namespace trainsan

@@ -26,6 +26,10 @@
 #include "trainsan/resume_facts.h"
 #include "trainsan/stats.h"
 
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
 namespace trainsan {
 
 /// A parameter to watch, and the optimizer that steps it.
@@ -229,6 +233,13 @@ class Sanitizer {
   /// A checkpoint of this model is being saved (bad_checkpoint; Note [Checkpoint checks] in
   /// host/checks/checkpoint.cpp): the policy answers before it is written.
   void checkpoint(const CheckpointFacts& facts);
+  /// A checkpoint checked through this sanitizer (bad_checkpoint, its policy answering at once): a
+  /// file written by torch::save(module, path), or (key, tensor) entries, against `model` when
+  /// given. trainsan/checkpoint.h has the same check without a sanitizer; its
+  /// checkpoint_facts(CheckpointContents) gives checkpoint() the optimizer states too.
+  void check_checkpoint(const std::string& path, const torch::nn::Module* model = nullptr);
+  void check_checkpoint(const NamedTensors& entries, const torch::nn::Module* model = nullptr,
+                        const std::string& source = "the checkpoint");
   /// Whether the current step is re-run for the nondeterminism check (rerun_every).
   bool rerun_due() const;
   /// Where a re-run of the current step first differed (nondeterminism).

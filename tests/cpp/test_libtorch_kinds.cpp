@@ -1,0 +1,398 @@
+// Every finding kind a LibTorch program can reach, reached from C++: each scenario plants one bug
+// in a small loop attached with trainsan::attach (or calls the C++ API the kind's kinds.def row
+// names) and must find its kind; at the end, the kinds reached are every kind whose `needs` is not
+// `python`. rank_desync needs two processes: tests/cpp/test_replicas_pg.cpp reaches it.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "trainsan/trainsan.h"
+
+namespace {
+
+// `spare`: a branch the forward never runs (missing_grad); `idle`: a parameter whose gradient
+// is always zero (grad_vanishing).
+struct Net : torch::nn::Module {
+  explicit Net(bool spare_branch = false, bool idle_param = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    drop = register_module("drop", torch::nn::Dropout(0.1));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+    if (spare_branch) spare = register_module("spare", torch::nn::Linear(8, 3));
+    if (idle_param) idle = register_parameter("idle", torch::ones({3}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc2(drop(torch::relu(fc1(x))));
+    return idle.defined() ? y + 0.0 * idle : y;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::Tensor idle;
+};
+
+trainsan::Options record() {
+  trainsan::Options o;
+  o.policy = "record";
+  return o;
+}
+
+std::set<std::string> kinds_of(const trainsan::Sanitizer& san) {
+  std::set<std::string> out;
+  for (const auto& f : san.findings()) out.insert(f.kind);
+  return out;
+}
+
+torch::Tensor batch(int i) {
+  torch::manual_seed(1000 + i);
+  return torch::randn({32, 8});
+}
+
+torch::Tensor labels(int i) {
+  torch::manual_seed(2000 + i);
+  return torch::randint(0, 3, {32});
+}
+
+// One iteration as the examples write it; `loss_of` makes the loss from the output.
+using LossOf = std::function<torch::Tensor(const torch::Tensor& out, int i)>;
+torch::Tensor iteration(Net& net, torch::optim::Optimizer& opt, trainsan::Sanitizer& san, int i,
+                        const LossOf& loss_of, bool zero = true, bool step = true,
+                        const torch::Tensor& x = {}) {
+  if (zero) opt.zero_grad();
+  auto loss = loss_of(net.forward(x.defined() ? x : batch(i)), i);
+  loss.backward();
+  if (step) opt.step();
+  san.end_step(loss);
+  return loss;
+}
+
+const LossOf kCrossEntropy = [](const torch::Tensor& out, int i) {
+  return torch::nn::functional::cross_entropy(out, labels(i));
+};
+
+// Trains `steps` iterations of `net` under a fresh sanitizer; `body` may replace an iteration.
+std::set<std::string> run(
+    int steps, trainsan::Options o,
+    const std::function<void(Net&, torch::optim::Optimizer&, trainsan::Sanitizer&, int)>& body,
+    bool spare = false, double lr = 0.05, bool idle = false) {
+  torch::manual_seed(0);
+  Net net(spare, idle);
+  torch::optim::SGD opt(net.parameters(), lr);
+  auto san = trainsan::attach(net, opt, o);
+  for (int i = 0; i < steps; ++i) body(net, opt, san, i);
+  san.close();
+  return kinds_of(san);
+}
+
+// A custom Function whose backward is off by a factor 2.
+struct DoubledExp : torch::autograd::Function<DoubledExp> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    at::Tensor y = x.exp();
+    ctx->save_for_backward({y});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    return {2 * g[0] * ctx->get_saved_variables()[0]};
+  }
+};
+
+TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
+  std::set<std::string> reached = {"rank_desync"};  // tests/cpp/test_replicas_pg.cpp
+  auto expect = [&](const std::string& kind, const std::set<std::string>& found) {
+    EXPECT_TRUE(found.count(kind)) << kind << " not found; found:" << [&] {
+      std::string s;
+      for (const auto& k : found) s += " " + k;
+      return s;
+    }();
+    if (found.count(kind)) reached.insert(kind);
+  };
+  const auto plain = [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+    iteration(n, o, s, i, kCrossEntropy);
+  };
+  const auto clean = run(4, record(), plain);
+  EXPECT_TRUE(clean.empty()) << *clean.begin();
+
+  // NaN in the loss, then in the gradients, then (after SGD) in the parameters.
+  const auto nan =
+      run(2, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+        iteration(n, o, s, i, [](const torch::Tensor& out, int j) {
+          auto l = kCrossEntropy(out, j);
+          return j == 1 ? l * std::numeric_limits<float>::quiet_NaN() : l;
+        });
+      });
+  for (const char* k : {"nonfinite_loss", "nonfinite_grad", "nonfinite_param"}) expect(k, nan);
+
+  // A gradient 1e6 times its running level after the warm-up.
+  expect("grad_explosion",
+         run(10, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, [](const torch::Tensor& out, int j) {
+             return kCrossEntropy(out, j) * (j == 8 ? 1e6 : 1.0);
+           });
+         }));
+  expect("missing_grad", run(5, record(), plain, /*spare=*/true));
+  expect("grad_vanishing", run(5, record(), plain, false, 0.05, /*idle=*/true));
+  expect("stale_grad",
+         run(3, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, kCrossEntropy, /*zero=*/false);
+         }));
+  expect("skipped_step",
+         run(3, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, kCrossEntropy, true, /*step=*/false);
+         }));
+  {  // fc2 in no optimizer
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.fc1->parameters(), 0.05);
+    auto san = trainsan::attach(net, opt, record());
+    for (int i = 0; i < 3; ++i) iteration(net, opt, san, i, kCrossEntropy);
+    san.close();
+    expect("param_not_in_optimizer", kinds_of(san));
+  }
+  {  // a weight changed between steps (opt-in)
+    trainsan::Options o = record();
+    o.checks["update_outside_step"] = true;
+    expect("update_outside_step",
+           run(3, o, [](Net& n, torch::optim::Optimizer& opt, trainsan::Sanitizer& s, int i) {
+             if (i == 2) {
+               torch::NoGradGuard no_grad;
+               n.fc1->weight.add_(0.5);
+             }
+             iteration(n, opt, s, i, kCrossEntropy);
+           }));
+  }
+  // A learning rate far too high: the update as large as the weights, step after step.
+  expect("update_ratio", run(5, record(), plain, false, /*lr=*/50.0));
+  {  // the features made under NoGradGuard: the body never trains
+    torch::manual_seed(0);
+    Net body;
+    auto head = torch::nn::Linear(3, 3);
+    torch::optim::SGD b_opt(body.parameters(), 0.05), h_opt(head->parameters(), 0.05);
+    auto san = trainsan::attach({{"body", body, b_opt}, {"head", *head, h_opt}}, record());
+    for (int i = 0; i < 3; ++i) {
+      b_opt.zero_grad();
+      h_opt.zero_grad();
+      torch::Tensor f;
+      {
+        torch::NoGradGuard no_grad;
+        f = body.forward(batch(i));
+      }
+      auto loss = kCrossEntropy(head->forward(f), i);
+      loss.backward();
+      b_opt.step();
+      h_opt.step();
+      san.end_step(loss);
+    }
+    san.close();
+    expect("no_grad_leak", kinds_of(san));
+  }
+  expect("eval_mode",
+         run(3, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           n.drop->eval();
+           iteration(n, o, s, i, kCrossEntropy);
+         }));
+  expect("broadcast",
+         run(2, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, [](const torch::Tensor& out, int) {
+             return torch::mse_loss(out.narrow(1, 0, 1), torch::randn({32}));  // [32,1] vs [32]
+           });
+         }));
+  // Out-of-range labels and a target batch of another size: recorded before the op fails.
+  for (const auto& [kind, target] : std::vector<std::pair<std::string, torch::Tensor>>{
+           {"label_range", torch::full({32}, 3, torch::kLong)},
+           {"batch_mismatch", torch::zeros({16}, torch::kLong)}}) {
+    expect(kind,
+           run(1, record(),
+               [t = target](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+                 try {
+                   iteration(n, o, s, i, [&](const torch::Tensor& out, int) {
+                     return torch::nll_loss(torch::log_softmax(out, 1), t);
+                   });
+                 } catch (const c10::Error&) {
+                   // torch's own error follows the finding
+                 }
+               }));
+  }
+  // New batches, then the same one again: the data stopped advancing.
+  expect("duplicate_batch",
+         run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, kCrossEntropy, true, true, batch(i < 2 ? i : 2));
+         }));
+  {  // a parameter beyond ±65504 while the forward runs under fp16 autocast
+    const bool was = at::autocast::is_autocast_enabled(at::kCPU);
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    expect("fp16_overflow",
+           run(
+               2, record(),
+               [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+                 {
+                   torch::NoGradGuard no_grad;
+                   n.idle.fill_(1e5);
+                 }
+                 at::autocast::set_autocast_enabled(at::kCPU, true);
+                 at::autocast::set_autocast_dtype(at::kCPU, at::kHalf);
+                 iteration(n, o, s, i, [](const torch::Tensor& out, int j) {
+                   return kCrossEntropy(out.to(torch::kFloat), j);
+                 });
+                 at::autocast::set_autocast_enabled(at::kCPU, false);
+               },
+               false, 0.05, /*idle=*/true));
+    at::autocast::set_autocast_enabled(at::kCPU, was);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  }
+  // A hand-written loss scaler that keeps skipping after its first taken step.
+  expect("amp_scale_collapse",
+         run(8, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           o.zero_grad();
+           auto loss = kCrossEntropy(n.forward(batch(i)), i);
+           loss.backward();
+           if (i == 0) {
+             o.step();
+             s.scaler_step({0, false, 65536.0});
+           } else {
+             s.scaler_step({0, true, 65536.0 / (1 << i)});
+           }
+           s.end_step(loss);
+         }));
+  {  // bfloat16 weights with a learning rate whose updates round away; the loss in bfloat16
+    torch::manual_seed(0);
+    Net net;
+    net.to(torch::kBFloat16);
+    torch::optim::SGD opt(net.parameters(), 1e-6);
+    auto san = trainsan::attach(net, opt, record());
+    for (int i = 0; i < 5; ++i) {
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(net.forward(batch(i).to(torch::kBFloat16)),
+                                                       labels(i));
+      loss.backward();
+      opt.step();
+      san.end_step(loss);
+    }
+    san.close();
+    expect("update_underflow", kinds_of(san));
+    expect("low_precision_loss", kinds_of(san));
+  }
+  expect("loss_spike",
+         run(16, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, [](const torch::Tensor& out, int j) {
+             return kCrossEntropy(out, j) * (j == 14 ? 1e4 : 1.0);
+           });
+         }));
+  expect("trivial_loss",
+         run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, [](const torch::Tensor& out, int) { return out.sum() * 0.0; });
+         }));
+  {  // opt-in: a module output with a NaN, given by the program
+    trainsan::Options o = record();
+    o.checks["nonfinite_activation"] = true;
+    expect("nonfinite_activation",
+           run(1, o, [](Net& n, torch::optim::Optimizer& opt, trainsan::Sanitizer& s, int i) {
+             auto h = n.fc1->forward(batch(i)) * std::numeric_limits<float>::quiet_NaN();
+             s.module_output({"fc1", "Linear"}, {h});
+             iteration(n, opt, s, i, kCrossEntropy);
+           }));
+  }
+  {  // a custom autograd Function whose backward is off by a factor 2
+    std::set<std::string> found;
+    for (const auto& f :
+         trainsan::check_custom_grad("DoubledExp",
+                                     [](const std::vector<at::Tensor>& x) {
+                                       return std::vector<at::Tensor>{DoubledExp::apply(x[0])};
+                                     },
+                                     {torch::randn({4, 3}, torch::kDouble).requires_grad_()})) {
+      found.insert(f.kind);
+    }
+    expect("bad_custom_grad", found);
+  }
+  {  // a step whose forward draws from a generator nobody seeded: re-runs differ
+    trainsan::Options o = record();
+    o.rerun_every = 1;
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), 0.05);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+    auto noisy = [&](const torch::Tensor& x) {
+      return net.forward(x + torch::rand(x.sizes(), gen) * 1e-3);
+    };
+    auto san = trainsan::attach(net, opt, o);
+    for (int i = 0; i < 2; ++i) {
+      opt.zero_grad();
+      const auto x = batch(i);
+      auto loss = kCrossEntropy(noisy(x), i);
+      loss.backward();
+      san.rerun([&] {
+        trainsan::RerunRecord r;
+        auto l = kCrossEntropy(noisy(x), i);
+        l.backward();
+        return r.add("loss", {l});
+      });
+      opt.step();
+      san.end_step(loss);
+    }
+    san.close();
+    expect("nondeterminism", kinds_of(san));
+  }
+  {  // a GAN-style resume: the model and one optimizer restored, the other one forgotten
+    const std::string dir = ::testing::TempDir();
+    auto train = [&](Net& net, torch::optim::Adam& a, torch::optim::Adam& b, int steps) {
+      for (int i = 0; i < steps; ++i) {
+        a.zero_grad();
+        b.zero_grad();
+        auto loss = kCrossEntropy(net.forward(batch(i)), i);
+        loss.backward();
+        a.step();
+        b.step();
+      }
+    };
+    torch::manual_seed(0);
+    Net first;
+    torch::optim::Adam a1(first.fc1->parameters(), 1e-3), b1(first.fc2->parameters(), 1e-3);
+    train(first, a1, b1, 2);
+    torch::save(a1, dir + "trainsan_a.pt");
+    torch::serialize::OutputArchive archive;
+    first.save(archive);
+    archive.save_to(dir + "trainsan_model.pt");
+    Net second;
+    torch::optim::Adam a2(second.fc1->parameters(), 1e-3), b2(second.fc2->parameters(), 1e-3);
+    auto san = trainsan::attach(second, {&a2, &b2}, record());
+    trainsan::load(san, second, dir + "trainsan_model.pt");
+    trainsan::load(san, a2, dir + "trainsan_a.pt");  // b2 forgotten
+    for (int i = 0; i < 2; ++i) {
+      a2.zero_grad();
+      b2.zero_grad();
+      auto loss = kCrossEntropy(second.forward(batch(i)), i);
+      loss.backward();
+      a2.step();
+      b2.step();
+      san.end_step(loss);
+    }
+    san.close();
+    const auto fs = san.findings();
+    bool second_optimizer = false;
+    for (const auto& f : fs) {
+      if (f.kind == "optimizer_reset") {
+        second_optimizer = f.message.find("optimizer 1") != std::string::npos;
+      }
+    }
+    EXPECT_TRUE(second_optimizer);
+    expect("optimizer_reset", kinds_of(san));
+    std::remove((dir + "trainsan_a.pt").c_str());
+    std::remove((dir + "trainsan_model.pt").c_str());
+  }
+
+  std::set<std::string> missing;
+  for (const trainsan::KindInfo& k : trainsan::kinds()) {
+    if (std::string(k.needs) != "python" && reached.count(k.name) == 0) missing.insert(k.name);
+  }
+  std::string list;
+  for (const auto& k : missing) list += " " + k;
+  EXPECT_TRUE(missing.empty()) << "kinds no LibTorch scenario reached:" << list;
+}
+
+}  // namespace
