@@ -77,14 +77,18 @@ void read_archive(torch::serialize::InputArchive& archive, const std::string& pr
 ModelTensors model_tensors(const torch::nn::Module& module) {
   ModelTensors out;
   // torch::save's order: a module's own parameters and buffers, then each child's, depth first.
-  for (const auto& m : module.named_modules("", /*include_self=*/true)) {
-    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
-    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
+  // The root by reference: a module made on the stack has no shared_ptr to give named_modules.
+  auto own = [&](const torch::nn::Module& m, const std::string& prefix) {
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
       out.state.emplace_back(prefix + p.key(), p.value());
     }
-    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) {
+    for (const auto& b : m.named_buffers(/*recurse=*/false)) {
       out.state.emplace_back(prefix + b.key(), b.value());
     }
+  };
+  own(module, "");
+  for (const auto& m : module.named_modules("", /*include_self=*/false)) {
+    own(*m.value(), m.key() + ".");
   }
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
     if (p.value().requires_grad()) out.trainable.emplace_back(p.key(), p.value());

@@ -386,6 +386,23 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
     std::remove((dir + "trainsan_model.pt").c_str());
   }
 
+  {  // a checkpoint written with a NaN in a weight, checked against the model
+    const std::string path = ::testing::TempDir() + "trainsan_kinds_ckpt.pt";
+    torch::manual_seed(0);
+    Net net;
+    {
+      torch::NoGradGuard no_grad;
+      net.fc1->weight.index_put_({0, 0}, std::numeric_limits<float>::quiet_NaN());
+    }
+    torch::serialize::OutputArchive archive;
+    net.save(archive);
+    archive.save_to(path);
+    std::set<std::string> found;
+    for (const auto& f : trainsan::check_checkpoint(path, &net)) found.insert(f.kind);
+    expect("bad_checkpoint", found);
+    std::remove(path.c_str());
+  }
+
   std::set<std::string> missing;
   for (const trainsan::KindInfo& k : trainsan::kinds()) {
     if (std::string(k.needs) != "python" && reached.count(k.name) == 0) missing.insert(k.name);
