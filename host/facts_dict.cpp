@@ -15,6 +15,7 @@
 #include "trainsan/autograd_facts.h"
 #include "trainsan/checkpoint.h"
 #include "trainsan/checkpoint_facts.h"
+#include "trainsan/determinism_facts.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
 #include "trainsan/resume_facts.h"
@@ -277,7 +278,8 @@ FactsDict defaults_of(const std::string& name) {
 FactsDict facts_defaults(const std::string& name) {
   return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite, CheckpointContents,
                      OptimizerTensors, ModelTensors, Provenance, ModuleOrigin, RangeOverflow,
-                     ReplicaReport, ReplicaMismatch, SavedTensorChange, CustomGradResult>(name);
+                     ReplicaReport, ReplicaMismatch, SavedTensorChange, CustomGradResult,
+                     RerunFacts>(name);
 }
 
 #define TRAINSAN_FACTS_DICT(T)                     \
@@ -296,6 +298,7 @@ TRAINSAN_FACTS_DICT(ReplicaReport)
 TRAINSAN_FACTS_DICT(ReplicaMismatch)
 TRAINSAN_FACTS_DICT(SavedTensorChange)
 TRAINSAN_FACTS_DICT(CustomGradResult)
+TRAINSAN_FACTS_DICT(RerunFacts)
 #undef TRAINSAN_FACTS_DICT
 
 }  // namespace trainsan

@@ -54,24 +54,23 @@ struct RerunFingerprintsHolder : torch::CustomClassHolder {
 
 using Fingerprints = c10::intrusive_ptr<RerunFingerprintsHolder>;
 
-// Where the runs first differ, as RerunFacts' fields (where, tensor, type, position, checked);
-// where = -1 when they agree.
-std::tuple<int64_t, std::string, std::string, int64_t, int64_t> compare_reruns_op(
-    const Fingerprints& step, const Fingerprints& first, const Fingerprints& second) {
+// Where the runs first differ: RerunFacts by name (Note [Facts by name]); None when they agree.
+std::optional<trainsan::FactsDict> compare_reruns_op(const Fingerprints& step,
+                                                     const Fingerprints& first,
+                                                     const Fingerprints& second) {
   const std::optional<trainsan::RerunFacts> f =
       trainsan::compare_reruns(step->fp, first->fp, second->fp);
-  if (!f) return {-1, "", "", 0, 0};
-  return {static_cast<int64_t>(f->where), f->tensor, f->type, f->position, f->checked};
+  if (!f) return std::nullopt;
+  return trainsan::facts_to_dict(*f);
 }
 
-// CustomGradResult's figures: (analytic, central, curvature, scale, unit, noise, low_precision).
-std::tuple<double, double, double, double, double, double, bool> directional_figures_op(
-    std::vector<at::Tensor> u, const at::Tensor& v, std::vector<at::Tensor> y0,
-    std::vector<at::Tensor> yp, std::vector<at::Tensor> ym, const std::optional<at::Tensor>& grad,
-    double eps) {
-  const trainsan::CustomGradResult r =
-      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps);
-  return {r.analytic, r.central, r.curvature, r.scale, r.unit, r.noise, r.low_precision};
+// CustomGradResult's figures by name (its function and input_index are the caller's to set).
+trainsan::FactsDict directional_figures_op(std::vector<at::Tensor> u, const at::Tensor& v,
+                                           std::vector<at::Tensor> y0, std::vector<at::Tensor> yp,
+                                           std::vector<at::Tensor> ym,
+                                           const std::optional<at::Tensor>& grad, double eps) {
+  return trainsan::facts_to_dict(
+      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps));
 }
 
 // The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
@@ -135,7 +134,7 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
         [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
   m.def(
       "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
-      "Tensor? grad, float eps) -> (float, float, float, float, float, float, bool)",
+      "Tensor? grad, float eps) -> Dict(str, Any)",
       &directional_figures_op);
   m.def("judge_replica_payload", &judge_replica_payload_op);
   m.def("replica_labels(int[] values) -> int[]",

@@ -239,16 +239,8 @@ TORCH_LIBRARY(trainsan, m) {
            [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
       .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
       .def("rerun_result",
-           [](const H& h, int64_t where, std::string tensor, std::string type, int64_t position,
-              int64_t checked) {
-             TORCH_CHECK_VALUE(where >= 0 && where <= 2, "rerun_result: bad where ", where);
-             trainsan::RerunFacts f;
-             f.where = static_cast<trainsan::RerunFacts::Where>(where);
-             f.tensor = std::move(tensor);
-             f.type = std::move(type);
-             f.position = position;
-             f.checked = checked;
-             h->san->rerun_result(f);
+           [](const H& h, FactsDict facts) {
+             h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));
              return h->take();
            })
       .def("inputs_seen",

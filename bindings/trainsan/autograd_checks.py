@@ -311,7 +311,7 @@ def _float_outputs(out) -> list:
 
 
 def _directional_check(orig_fn, cls, copies, kwargs) -> list:
-    """Per differentiable input: the figures of CustomGradResult (autograd_facts.h). The
+    """Per differentiable input: CustomGradResult by name (autograd_facts.h), but its function. The
     evaluations are Python's (the Function is a Python object); ε and the figures come from the
     C++ measurement's own directional_eps/directional_figures (host/custom_grad.cpp), which
     trainsan::check_custom_grad runs for LibTorch functions."""
@@ -368,9 +368,9 @@ def _directional_check(orig_fn, cls, copies, kwargs) -> list:
                     minus[k] = x - eps * v
                     yp, ym = run(plus, False), run(minus, False)
                     yp, ym = [yp[j] for j in keep], [ym[j] for j in keep]
-                    # (analytic, central, curvature, scale, unit, noise, low precision)
+                    # CustomGradResult's figures by name
                     figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps)
-                    results.append((k, *figures))
+                    results.append(dict(figures, input_index=k))
     except Exception:
         return []  # a Function that cannot run in float64 or on copies: not checked
     finally:
@@ -413,10 +413,8 @@ class CustomGradCheck:
         name = f"{cls.__module__}.{cls.__qualname__}"
         self.functions_checked += 1
         found: list = []
-        for k, a, c, curv, s, unit, noise, low in results:
-            found += self._handle.custom_grad_result(_native.facts(
-                "CustomGradResult", function=name, input_index=k, analytic=a, central=c,
-                curvature=curv, scale=s, unit=unit, noise=noise, low_precision=low))
+        for r in results:
+            found += self._handle.custom_grad_result(_native.fields(dict(r, function=name)))
         self._apply(found)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _native
 from ._facts import _local
 from .precision import _float_tensors
 from .replicas import fingerprints
@@ -99,7 +100,7 @@ class Rerun:
         b = self._run(rec)
         facts = _compare(rec, a, b)
         if facts is not None:
-            san._apply(san._handle.rerun_result(*facts))
+            san._apply(san._handle.rerun_result(_native.fields(facts)))
 
     def _run(self, rec: _Recorded) -> tuple:
         model = self._model
@@ -146,12 +147,11 @@ def _fingerprints(mods: list, gnames: list = (), ghash: Optional[dict] = None):
         [h for m in mods for h in m[2]], list(gnames), [ghash[n] for n in gnames])
 
 
-def _compare(rec: _Recorded, a: tuple, b: tuple) -> Optional[tuple]:
-    """(where, tensor, type, position, checked) of the first difference, or None: the C++
-    comparison (trainsan::compare_reruns, host/checks/determinism.cpp)."""
-    facts = torch.ops.trainsan.compare_reruns(_fingerprints(rec.modules), _fingerprints(*a),
-                                              _fingerprints(*b))
-    return None if facts[0] < 0 else tuple(facts)
+def _compare(rec: _Recorded, a: tuple, b: tuple) -> Optional[dict]:
+    """The first difference (RerunFacts by name: where, tensor, type, position, checked), or
+    None: the C++ comparison (trainsan::compare_reruns, host/checks/determinism.cpp)."""
+    return torch.ops.trainsan.compare_reruns(_fingerprints(rec.modules), _fingerprints(*a),
+                                             _fingerprints(*b))
 
 
 def _distributed() -> bool:

@@ -175,6 +175,12 @@ TEST(FactsDict, OptionalRecordsAndNestedLists) {
 TEST(FactsDict, DefaultsByStructName) {
   const FactsDict d = trainsan::facts_defaults("ResumeFacts");
   EXPECT_EQ(d.at("opt").toInt(), -1);
+  trainsan::RerunFacts r;
+  r.where = trainsan::RerunFacts::Where::kBetweenCalls;
+  r.tensor = "fc1";
+  const auto back = facts_from_dict<trainsan::RerunFacts>(facts_to_dict(r));
+  EXPECT_EQ(back.where, trainsan::RerunFacts::Where::kBetweenCalls);
+  EXPECT_EQ(back.tensor, "fc1");
   EXPECT_TRUE(d.at("dropped_frozen").toListRef().empty());
   const std::string e = error_of<c10::ValueError>([] { trainsan::facts_defaults("Resume"); });
   EXPECT_TRUE(has(e, "no facts struct is named 'Resume'; there are ResumeFacts,")) << e;

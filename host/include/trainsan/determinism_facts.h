@@ -10,19 +10,36 @@
 #include <utility>
 #include <vector>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
+/// Where re-runs of a step first differed (fields: rerun_facts.def).
 struct RerunFacts {
   enum class Where : uint8_t {
     kForward = 0,       ///< two re-runs' forwards differ: first at module `tensor`'s output
     kBackward = 1,      ///< the forwards agree, two re-runs' gradients differ: first `tensor`
     kBetweenCalls = 2,  ///< the re-runs agree with each other, not with the step's own forward
   };
-  Where where = Where::kForward;
-  std::string tensor;    ///< a module (forward) or parameter (backward) name
-  std::string type;      ///< the module's class, e.g. "Linear"
-  int64_t position = 0;  ///< 1-based place in execution order
-  int64_t checked = 0;   ///< how many were compared
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/rerun_facts.def"
+#undef TRAINSAN_FACT
+};
+
+template <>
+struct FactEnum<RerunFacts::Where> {
+  static constexpr int64_t kMax = 2;
+};
+
+template <>
+struct FactTable<RerunFacts> {
+  static constexpr const char* kName = "RerunFacts";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/rerun_facts.def"
+#undef TRAINSAN_FACT
+  }
 };
 
 /// The fingerprints of one run of a step (TensorStats::hash of each tensor).
