@@ -12,6 +12,7 @@
 
 #include "nvtx.h"
 #include "sanitizer_impl.h"
+#include "source_location.h"
 #include "stats_internal.h"
 
 namespace trainsan {
@@ -180,6 +181,22 @@ void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   forward(f);
 }
 
+void SanitizerImpl::backward_without_graph() {
+  if (closed || grads.in_step()) return;
+  std::set<int64_t> opts;
+  for (const TrackedParam& p : params) {
+    if (p.opt >= 0 && p.param.requires_grad()) opts.insert(p.opt);
+  }
+  for (const int64_t opt : opts) {
+    const auto [grad_now, no_grad_now] = forwards_for(opt);
+    const auto at = forwards_at_step[opt];
+    if (no_grad_now > at.second && grad_now == at.first) {
+      checks.mode.on_graphless_backward(step, no_grad_now - at.second);
+      return;
+    }
+  }
+}
+
 void SanitizerImpl::end_iteration(bool backward_ran) {
   if (closed) return;
   const std::vector<int64_t> stepped = setup.binding->stepped();
@@ -248,6 +265,10 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   fv.training = training;
   fv.have_optimizer = have_optimizer;
   if (!grad_enabled && training) {
+    if (no_grad_site_step != step) {  // where it was called: once a step (a stack walk)
+      no_grad_site_step = step;
+      fv.site = python_source(setup.skip_frames).where;
+    }
     for (size_t k = 0; k < setup.mode_modules.size(); ++k) {
       const bool eval = k < facts.module_eval.size() && facts.module_eval[k];
       if (setup.mode_modules[k].mode_dependent && !eval) fv.train_mode_dependent.push_back(k);

@@ -113,6 +113,11 @@ void Sanitizer::forward(const ForwardFacts& facts) {
   report();
 }
 
+void Sanitizer::backward_without_graph() {
+  impl_->backward_without_graph();
+  report();
+}
+
 void Sanitizer::step_begin(int64_t opt) {
   impl_->grads.set_in_step(true);
   impl_->check_updates_outside_step(opt);

@@ -52,6 +52,8 @@ struct SanitizerImpl {
   // watch, and the end of an iteration (each optimizer whose step ran is judged).
   void forward_seen(std::vector<at::Tensor> batch, int64_t opt);
   void end_iteration(bool backward_ran);
+  /// Sanitizer::backward_without_graph (Note [Mode rules]).
+  void backward_without_graph();
   void write_summary() { trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now()); }
   void close();
   Coverage coverage_now() const;
@@ -114,6 +116,7 @@ struct SanitizerImpl {
     const auto own = it == forwards_of_opt.end() ? std::pair<int64_t, int64_t>{0, 0} : it->second;
     return {grad_forwards_total + own.first, no_grad_train_forwards_total + own.second};
   }
+  int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
   std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint

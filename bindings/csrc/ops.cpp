@@ -212,6 +212,11 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->watch_loss(loss);
              return h->take();
            })
+      .def("backward_without_graph",
+           [](const H& h) {
+             h->san->backward_without_graph();
+             return h->take();
+           })
       .def("step_begin",
            [](const H& h, int64_t opt) {
              h->san->step_begin(opt);

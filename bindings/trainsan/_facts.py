@@ -252,6 +252,8 @@ def _skip_frames() -> list:
         os.path.join(here, "audit.py"),
         os.path.join(here, "autograd_checks.py"),
         os.path.join(here, "_compile.py"),
+        os.path.join(here, "_patches.py"),
+        os.path.join(here, "launcher.py"),
         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     ]
 

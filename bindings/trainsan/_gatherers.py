@@ -4,7 +4,14 @@ in one list the sanitizer calls in order (Note [Gatherers])."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable, Optional
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from . import _compile
 
 # Note [Gatherers]
 # ~~~~~~~~~~~~~~~~
@@ -246,6 +253,63 @@ class Provenances(Gatherer):
 
     def close(self) -> list:
         self._prov.close()
+        return []
+
+
+# Note [Models without a root forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An agent whose optimizer holds actor and critic but whose class defines no forward() (its code
+# calls agent.actor(x) and agent.critic(x), or a method such as get_action_and_value that does)
+# is never called itself, so its forward pre-hook never fires: no training forward, no loss root,
+# none of the forward rules. For such a model RootlessForwards installs process-wide module hooks
+# that report each outermost call of one of the model's submodules (no other of its modules
+# running on the thread) as a forward of the model, with that submodule's inputs and train flag.
+# A model that has a forward() but is trained through .forward(x) or its children is not guessed
+# at: coverage() says its forward hook never fired.
+
+
+class RootlessForwards(Gatherer):
+    """Reports the outermost calls of the model's submodules as its forwards (Note [Models
+    without a root forward])."""
+
+    def __init__(self, model) -> None:
+        self._model = weakref.ref(model)
+        self._report: Optional[Callable] = None
+        self._members: set = set()
+        self._depth = threading.local()
+        self._handles: list = []
+
+    @staticmethod
+    def needed(model) -> bool:
+        """The model's class defines no forward(): calling it would raise."""
+        return type(model).forward is torch.nn.Module.forward
+
+    def install(self, report: Callable) -> None:
+        """`report(module, args, kwargs)`: the sanitizer's _on_forward, held weakly."""
+        model = self._model()
+        if model is None or self._handles:
+            return
+        self._report = report
+        self._members = {id(m) for m in model.modules()}
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
+
+    def _pre(self, module, args) -> None:
+        if id(module) not in self._members or _compile.is_compiling():
+            return
+        depth = getattr(self._depth, "n", 0) + 1
+        self._depth.n = depth
+        if depth == 1 and module is not self._model():
+            self._report(module, args, {})
+
+    def _post(self, module, args, output) -> None:
+        if id(module) in self._members and not _compile.is_compiling():
+            self._depth.n = max(0, getattr(self._depth, "n", 0) - 1)
+
+    def close(self) -> list:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         return []
 
 

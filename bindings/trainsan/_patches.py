@@ -232,13 +232,44 @@ def _watch_roots(tensors: Any) -> None:
         san._auto_loss(loss)
 
 
+def _graphless(tensors: Any) -> bool:
+    """A backward on roots none of which has an autograd graph: torch raises "element 0 of tensors
+    does not require grad" — tell the sanitizers first (no_grad_leak, Note [Mode rules])."""
+    roots = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
+    return bool(roots) and all(isinstance(t, torch.Tensor) and not t.requires_grad
+                               for t in roots)
+
+
+def _backward_without_graph() -> None:
+    for san in [s for s in list(_open_sanitizers) if not s._closed]:
+        san._apply(san._handle.backward_without_graph())
+
+
+def backward_seen(tensors: Any, sanitizers: list) -> None:
+    """A backward that `sanitizers` (attached just now, inside it) did not see through the wrapper
+    below: what the wrapper tells them."""
+    try:
+        if _graphless(tensors):
+            for san in sanitizers:
+                san._apply(san._handle.backward_without_graph())
+        else:
+            _watch_roots(tensors)
+    except TrainingBugError:
+        raise
+    except Exception:  # never break the user's backward
+        pass
+
+
 def _loss_roots() -> list:
     orig_backward = torch.autograd.backward
     orig_scale = torch.amp.GradScaler.scale
 
     def backward(tensors, *args, **kwargs):
         try:
-            _watch_roots(tensors)
+            if _graphless(tensors):
+                _backward_without_graph()
+            else:
+                _watch_roots(tensors)
         except TrainingBugError:
             raise
         except Exception:  # never break the user's backward

@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import trainsan
 
-from . import _compile
+from . import _compile, _patches
 
 PROG = "python -m trainsan run"
 _ON = {"on": True, "true": True, "1": True, "yes": True,
@@ -252,17 +252,28 @@ def _trainable(module: torch.nn.Module) -> set:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
-def _outermost_holder(ids: set) -> Optional[torch.nn.Module]:
-    """The live module that is nobody's submodule and holds most of the parameters `ids`."""
-    mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+def _holders(ids: set) -> list:
+    """The modules to attach for optimizers holding the parameters `ids`: the smallest live module
+    holding all of them (of those holding the same parameters, the outermost: full dotted names),
+    whether or not its own forward is ever called (an agent whose code calls agent.actor and
+    agent.critic); where no module holds them all, each root module (nobody's submodule) holding
+    some of them, most first. Found through the garbage collector; torch.compile wrappers are
+    looked through."""
+    mods = [o for o in gc.get_objects()
+            if issubclass(type(o), torch.nn.Module) and _compile.unwrap_compiled(o) is o]
+    best, best_n, some = None, 0, []
     inner = {id(c) for m in mods for c in m.children()}
-    best, most = None, 0
     for m in mods:
-        if id(m) not in inner:
-            n = sum(1 for p in m.parameters() if id(p) in ids)
-            if n > most:
-                best, most = m, n
-    return best
+        own = {id(p) for p in m.parameters()}
+        if ids <= own:
+            if best is None or len(own) < best_n or (
+                    len(own) == best_n and any(x is best for x in m.modules())):
+                best, best_n = m, len(own)
+        elif id(m) not in inner and own & ids:
+            some.append((len(own & ids), m))
+    if best is not None:
+        return [best]
+    return [m for _, m in sorted(some, key=lambda t: -t[0])]
 
 
 class Pairer:
@@ -276,6 +287,7 @@ class Pairer:
         self._kwargs = attach_kwargs
         self._order: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # opt -> number
         self._built = 0
+        self._built_types: list = []  # every optimizer built, by class name (the closing lines)
         self._retired: "weakref.WeakSet" = weakref.WeakSet()  # replaced by newer optimizers
         self._orphans: "weakref.WeakSet" = weakref.WeakSet()  # stepped, no module holds them
         self._skip: "weakref.WeakSet" = weakref.WeakSet()  # modules attach() refused
@@ -283,6 +295,7 @@ class Pairer:
         self._module_hooks: list = []
         self._step_hook = None
         self._init = None
+        self._backward = None
 
     # installation -------------------------------------------------------------------------------
 
@@ -293,12 +306,26 @@ class Pairer:
             orig(opt, *args, **kwargs)
             self._built += 1
             self._order[opt] = self._built
+            self._built_types.append(type(opt).__name__)
             self._sync_hooks()
 
         __init__.__wrapped__ = orig  # type: ignore[attr-defined]
         self._init = (orig, __init__)
         torch.optim.Optimizer.__init__ = __init__
         self._step_hook = register_optimizer_step_pre_hook(self._on_step)
+        orig_backward = torch.autograd.backward
+        pairer = self
+
+        def backward(tensors, *args, **kwargs):
+            if pairer._init is not None and pairer._pending() and not _compile.is_compiling():
+                made = pairer._on_backward()
+                if made:  # not open when the sanitizers' own backward wrapper ran: tell them
+                    _patches.backward_seen(tensors, made)
+            return orig_backward(tensors, *args, **kwargs)
+
+        backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
+        torch.autograd.backward = backward
+        self._backward = (orig_backward, backward)
         # OptimizedModule warns that global module hooks fire once more for it: ours expect that.
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there "
                                 "are global hooks")
@@ -313,7 +340,12 @@ class Pairer:
             orig, ours = self._init
             if torch.optim.Optimizer.__dict__.get("__init__") is ours:
                 torch.optim.Optimizer.__init__ = orig
-            self._init = None
+            self._init = None  # the backward wrapper, if still wrapped by another, passes through
+        if self._backward is not None:
+            orig, ours = self._backward
+            if torch.autograd.backward is ours:
+                torch.autograd.backward = orig
+            self._backward = None
 
     def _active(self) -> list:
         return [p for p in self.pairings if not p.replaced]
@@ -345,46 +377,103 @@ class Pairer:
             return  # traced into a graph: a no-op there (compiled calls are paired at the step)
         depth = getattr(self._depth, "n", 0) + 1
         self._depth.n = depth
-        if depth == 1 and torch.is_grad_enabled():
-            self._on_top_call(module, args)
+        if depth == 1:
+            grad = torch.is_grad_enabled()
+            if grad or module.training:
+                self._on_top_call(module, args, grad)
 
     def _on_return(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not _compile.is_compiling():
             self._depth.n = max(0, getattr(self._depth, "n", 0) - 1)
 
-    def _on_top_call(self, module: torch.nn.Module, args: tuple) -> None:
+    def _on_top_call(self, module: torch.nn.Module, args: tuple, grad: bool) -> None:
         model = _compile.unwrap_compiled(module)
         ids = _trainable(model)
         if not ids or model in self._skip or any(p.ids & ids for p in self._active()):
             return  # nothing to train, refused, or attached (itself, a wrapper or a submodule)
         opts = self._candidates(ids)
-        if not opts and (len(self._order) or not model.training):
+        if not opts:
+            if grad and model.training and not len(self._order):
+                # no optimizer in the script: a loop updating p.data by hand (manual mode)
+                san = self._attach(model, [], None)
+                if san is not None and model is module:
+                    san.training_forward(*args)
             return  # the script has optimizers, none of them for this module; or eval mode
-        san = self._attach(model, opts, None)
-        if san is not None and model is module:
-            # The sanitizer's own pre-hook was registered during this call and is not called for
-            # it: report the forward (for a torch.compile wrapper the hook traced inside does).
-            san.training_forward(*args)
+        held = set().union(*(_held(o) for o in opts))
+        if held <= {id(p) for p in model.parameters()}:
+            targets = [model]
+        else:
+            # The optimizers hold more than this module: attach the module holding them all (an
+            # agent whose code calls agent.actor(x), agent.critic(x)), or each root holding some.
+            targets = [_compile.unwrap_compiled(m) for m in _holders(held)] or [model]
+        for target in targets:
+            own = {id(p) for p in target.parameters()}
+            if target in self._skip or any(p.ids & own for p in self._active()):
+                continue
+            san = self._attach(target, self._candidates(own), None)
+            if san is not None and target is module:
+                # The sanitizer's own pre-hook was registered during this call and is not called
+                # for it: report the forward (for a torch.compile wrapper the hook traced inside
+                # does). Under no_grad too: a training forward without gradients (no_grad_leak).
+                san.training_forward(*args)
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if opt not in self._order or not any(o is opt for o in self._pending()):
             return
+        self._pair(opt, "stepped")
+
+    def _on_backward(self) -> list:
+        """Before the first backward while optimizers are pending: pair them (a forward that
+        skipped the module hooks: model.forward(), model.compile()). The sanitizers made here."""
+        before = len(self.pairings)
+        for opt in self._pending():
+            if any(o is opt for o in self._pending()):
+                self._pair(opt, "ran backward() for")
+        return [p.san for p in self.pairings[before:]]
+
+    def _pair(self, opt: torch.optim.Optimizer, event: str) -> None:
+        """Pairs an optimizer that no training forward paired (Note [Launcher pairing])."""
         ids = _held(opt)
         owner = next((p for p in self._active() if p.ids & ids), None)
         if owner is not None:
             self._attach(owner.model, self._candidates(owner.ids), owner)
             return
-        root = _outermost_holder(ids)
-        if root is None:
+        roots = [_compile.unwrap_compiled(m) for m in _holders(ids)]
+        if not roots:
             self._orphans.add(opt)
-            self.notes.append(f"{type(opt).__name__} ({len(ids)} tensors) stepped, but no module "
-                              "holds its parameters: not checked")
-        elif _compile.unwrap_compiled(root) in self._skip:
-            self._orphans.add(opt)  # its model was refused (the note says why)
-        else:
-            model = _compile.unwrap_compiled(root)
-            self._attach(model, self._candidates({id(p) for p in model.parameters()}), None)
+            self.notes.append(f"the script {event} {type(opt).__name__} ({len(ids)} tensors), "
+                              "but no module holds its parameters: not checked")
+        for root in roots:
+            own = {id(p) for p in root.parameters()}
+            if root in self._skip or any(p.ids & own for p in self._active()):
+                continue  # refused (a note says why), or attached through another root
+            self._attach(root, self._candidates(own), None)
+        if roots and not any(o is opt for p in self._active() for o in p.optimizers):
+            self._orphans.add(opt)  # its models were refused (the notes say why)
         self._sync_hooks()
+
+    def uncovered(self) -> list:
+        """Lines for the optimizers' parameters no sanitizer checks: optimizers never attached
+        (with why), and parameters of attached ones that no attached model holds."""
+        lines = []
+        covered = set()
+        for p in self._active():
+            covered |= p.ids
+        for opt, n in sorted(list(self._order.items()), key=lambda t: t[1]):
+            held = _held(opt)
+            if opt in self._orphans or opt in self._retired:
+                continue  # a note says why, or a newer optimizer holding the same took over
+            if not any(o is opt for p in self._active() for o in p.optimizers):
+                lines.append(f"{type(opt).__name__} (optimizer {n}, {len(held)} tensors) was not "
+                             "checked: it never stepped, and no module holding its parameters "
+                             "ran a training forward or a backward")
+                continue
+            gone = held - covered
+            if gone:
+                lines.append(f"{len(gone)} of the {len(held)} tensors of {type(opt).__name__} "
+                             f"(optimizer {n}) are in no attached model: not checked (no live "
+                             "module holds them: tensors given to the optimizer directly)")
+        return lines
 
     # attaching ----------------------------------------------------------------------------------
 
@@ -565,10 +654,16 @@ def _finish(pairer: Pairer, status: int, trace: Optional[str], rank: Optional[in
         print(_describe(p, several), file=sys.stderr)
         print(p.san.summary(), file=sys.stderr)
     if not shown and not pairer.notes:
-        print("trainsan run: nothing was checked: the script built no optimizer and called no "
-              "module with trainable parameters in train mode with gradients enabled",
-              file=sys.stderr)
-    for note in pairer.notes:
+        if pairer._built:
+            print(f"trainsan run: nothing was checked: the script built {pairer._built} "
+                  f"optimizer(s) ({', '.join(sorted(set(pairer._built_types)))}) but none "
+                  "stepped, ran a backward or had a module holding its parameters called in "
+                  "train mode", file=sys.stderr)
+        else:
+            print("trainsan run: nothing was checked: the script built no optimizer and called "
+                  "no module with trainable parameters in train mode with gradients enabled",
+                  file=sys.stderr)
+    for note in pairer.notes + pairer.uncovered():
         print(f"trainsan run: {note}", file=sys.stderr)
     if world > 1:
         for line in _other_ranks(pairer, trace, world):

@@ -25,7 +25,7 @@ from ._facts import (_check_optimizers_hold_model, _flat_tensors, _fsdp_sharded_
                      _loss_targets, _mode_modules, _param_table, _skip_frames, _steps_in_flight)
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
-                         Reruns, Resumes, SavedTensors, event_calls)
+                         Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
 from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
                        _scaler_patch, _step_counts)
@@ -198,6 +198,10 @@ class Sanitizer:
         self._parts.append(Resumes(self._resume))
         self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
         self._parts.append(Provenances(self._prov))
+        if RootlessForwards.needed(model):  # Note [Models without a root forward]
+            rootless = RootlessForwards(model)
+            rootless.install(_weak_method(self._on_forward))
+            self._parts.append(rootless)
         self._calls = event_calls(self._parts)
 
     # -- events ---------------------------------------------------------------------------------
@@ -428,16 +432,36 @@ class Sanitizer:
     def coverage(self) -> dict:
         """What was checked so far: counts (``steps_checked``, ``update_steps``,
         ``update_period``, ``training_forwards``, ``other_forwards``, ``losses_checked``,
-        ``inputs_fingerprinted``, ``audited_forwards``, ``ops_audited``) and ``unchecked``:
-        ``{kind: reason}`` for the enabled checks that never had what they need."""
+        ``inputs_fingerprinted``, ``audited_forwards``, ``ops_audited``), ``unchecked``:
+        ``{kind: reason}`` for the enabled checks that never had what they need, and
+        ``outside_model``: per attached optimizer holding parameters that are not the model's,
+        ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
         counts, kinds, reasons = self._handle.coverage()
         out = dict(counts)
         out["unchecked"] = dict(zip(kinds, reasons))
+        out["outside_model"] = self._outside_model()
         if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (
                 "no parameter has replicas on this rank (each is sharded on every mesh dimension "
                 "or marked tensor_model_parallel)"
             )
+        return out
+
+    def _outside_model(self) -> list:
+        """The attached optimizers' parameters that are not the model's: this sanitizer does not
+        check them (another module's, a bare tensor, or parameters replaced after the optimizer
+        was built)."""
+        out = []
+        for k, opt in enumerate(self._optimizers):
+            held = [p for g in opt.param_groups for p in g["params"]]
+            gone = [p for p in held if id(p) not in self._param_ids]
+            if gone:
+                out.append({
+                    "optimizer": k, "type": type(opt).__name__, "count": len(gone),
+                    "of": len(held), "shapes": [list(p.shape) for p in gone[:3]],
+                    "why": "not parameters of the attached model (another module's, a tensor "
+                           "given to the optimizer directly, or parameters replaced after the "
+                           "optimizer was built): attach to the module that holds them all"})
         return out
 
     def summary(self) -> str:
@@ -462,6 +486,10 @@ class Sanitizer:
         )
         for kind, why in c["unchecked"].items():
             lines.append(f"  not checked: {kind}: {why}")
+        for o in c["outside_model"]:
+            shapes = ", ".join(str(x) for x in o["shapes"]) + (", ..." if o["count"] > 3 else "")
+            lines.append(f"  not checked: {o['count']} of the {o['of']} parameter(s) of optimizer "
+                         f"{o['optimizer']} ({o['type']}; shapes {shapes}): {o['why']}")
         return "\n".join(lines)
 
     def last_stats(self) -> dict[str, TensorStats]:

@@ -152,6 +152,9 @@ struct ForwardView {
   /// For a no_grad forward in train mode: the registered mode-dependent modules in train mode
   /// (ModeCheck::set_modules positions).
   std::vector<size_t> train_mode_dependent;
+  /// For a no_grad forward in train mode: where it was called ("path/train.py:42 in step"; empty
+  /// for a caller without a Python frame), named by no_grad_leak.
+  std::string site;
 };
 
 /// Overflow provenance (Note [Overflow provenance], precision.cpp): which steps arm the module
@@ -262,9 +265,15 @@ class ModeCheck {  // mode.cpp: no_grad_leak, eval_mode (Note [Mode rules])
   void set_modules(std::vector<ModeModule> modules) { modules_ = std::move(modules); }
   void on_forward(const ForwardView& v);
   void on_step(const StepView& v);
+  /// A backward was called on a loss without an autograd graph (torch's "does not require grad"
+  /// error follows) while the `no_grad_forwards` training forwards since the step all ran under
+  /// no_grad: no_grad_leak, naming that forward.
+  void on_graphless_backward(int64_t step, int64_t no_grad_forwards);
 
  private:
   void no_grad_step(const StepView& v);
+  std::string forward_named() const;
+  std::string last_site_;  // of the latest no_grad forward in train mode
   void eval_step(const StepView& v);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet

@@ -39,7 +39,24 @@ std::string named(const ModuleRef& m) {
 
 }  // namespace
 
+std::string ModeCheck::forward_named() const {
+  return last_site_.empty() ? std::string("the model's forward")
+                            : "the model's forward (called at " + last_site_ + ")";
+}
+
+void ModeCheck::on_graphless_backward(int64_t step, int64_t no_grad_forwards) {
+  sink_.add(Kind::no_grad_leak, "",
+            "backward() was called on a loss without an autograd graph because " +
+                forward_named() +
+                " ran with gradients disabled (torch.no_grad / inference_mode) in train mode (" +
+                std::to_string(no_grad_forwards) +
+                " forward(s) since the previous step, none with gradients enabled): nothing of "
+                "the model can train — remove the no_grad context around the training forward",
+            static_cast<double>(no_grad_forwards), step);
+}
+
 void ModeCheck::on_forward(const ForwardView& v) {
+  if (!v.grad_enabled && v.training && !v.site.empty()) last_site_ = v.site;
   if (v.grad_enabled || !v.training || v.train_mode_dependent.empty()) return;
   std::vector<const ModuleRef*> mods;
   for (const size_t k : v.train_mode_dependent) {
@@ -95,8 +112,8 @@ void ModeCheck::no_grad_step(const StepView& v) {
   if (trainable == 0) return;  // frozen on purpose
   const std::string count = std::to_string(v.no_grad_train_forwards);
   sink_.add(Kind::no_grad_leak, "",
-            "the model's forward ran with gradients disabled (torch.no_grad / inference_mode) "
-            "in train mode (" +
+            forward_named() +
+                " ran with gradients disabled (torch.no_grad / inference_mode) in train mode (" +
                 count +
                 " forward(s) since the previous step) and never with gradients enabled, so "
                 "none of its " +

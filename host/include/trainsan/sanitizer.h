@@ -202,6 +202,11 @@ class Sanitizer {
   // --- the full event vocabulary (what the Python package's hooks call) ---
   /// A forward of the model (training or not).
   void forward(const ForwardFacts& facts);
+  /// A backward was called on a loss without an autograd graph (torch's "element 0 of tensors
+  /// does not require grad" error follows): no_grad_leak when every training forward of the
+  /// model since its optimizer's previous step ran under no_grad in train mode, naming where that
+  /// forward was called (the Python package calls it from its wrapper of torch.autograd.backward).
+  void backward_without_graph();
   /// Optimizer `opt` is about to step.
   void step_begin(int64_t opt);
   /// Optimizer `opt` has stepped: the fused pass over its gradients, parameters and snapshot,
