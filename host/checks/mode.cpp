@@ -46,8 +46,7 @@ std::string ModeCheck::forward_named() const {
 
 void ModeCheck::on_graphless_backward(int64_t step, int64_t no_grad_forwards) {
   sink_.add(Kind::no_grad_leak, "",
-            "backward() was called on a loss without an autograd graph because " +
-                forward_named() +
+            "backward() was called on a loss without an autograd graph because " + forward_named() +
                 " ran with gradients disabled (torch.no_grad / inference_mode) in train mode (" +
                 std::to_string(no_grad_forwards) +
                 " forward(s) since the previous step, none with gradients enabled): nothing of "

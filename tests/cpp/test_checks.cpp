@@ -271,6 +271,35 @@ TEST(ModeCheck, NoGradLeakIsAnErrorWhenTheStepTrainsNothing) {
             "of the optimizer");
 }
 
+TEST(ModeCheck, NoGradLeakNamesWhereTheForwardWasCalled) {
+  FakeSink sink;
+  Options o;
+  ModeCheck c(sink, o);
+  ForwardView f;
+  f.step = 4;
+  f.grad_enabled = false;
+  f.site = "/work/train.py:12 in main";
+  c.on_forward(f);
+  c.on_graphless_backward(4, 1);  // backward() of a loss without a graph (torch raises next)
+  c.on_step(no_grad_step());      // a step without gradients after the same forward
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::no_grad_leak);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kError);
+  EXPECT_EQ(sink.calls[0].step, 4);
+  EXPECT_EQ(sink.calls[0].value, 1.0);
+  EXPECT_EQ(sink.calls[0].message,
+            "backward() was called on a loss without an autograd graph because the model's "
+            "forward (called at /work/train.py:12 in main) ran with gradients disabled "
+            "(torch.no_grad / inference_mode) in train mode (1 forward(s) since the previous "
+            "step, none with gradients enabled): nothing of the model can train — remove the "
+            "no_grad context around the training forward");
+  EXPECT_EQ(sink.calls[1].message.rfind("the model's forward (called at /work/train.py:12 in "
+                                        "main) ran with gradients disabled",
+                                        0),
+            0u)
+      << sink.calls[1].message;
+}
+
 TEST(ModeCheck, NoGradLeakSilentCases) {
   FakeSink sink;
   Options o;
