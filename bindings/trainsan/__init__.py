@@ -10,12 +10,15 @@ import os
 
 import torch
 
+from . import resume as _resume
 from ._attach import attach, attached
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._tables import KINDS, OPTIONS, Options
 from .checkpoint import CheckpointReport, check_checkpoint
 from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
+
+_resume.install()  # the load journal, from the script's first line (Note [Load journal])
 
 
 def _version() -> str:

@@ -1,14 +1,17 @@
 """Resumes (optimizer_reset; bad_checkpoint of a lossy load): the facts of Note [Resume checks]
 in host/checks/resume.cpp, gathered from torch.load, Module.load_state_dict,
-Optimizer.load_state_dict and LRScheduler.load_state_dict, wrapped while any sanitizer is open.
+Optimizer.load_state_dict and the schedulers' load_state_dict, wrapped from `import trainsan` on
+and written to a process-wide load journal (Note [Load journal]): handed at once to the open
+sanitizers they concern, and replayed to a sanitizer attached after them, so that loads made
+before attach (the launcher attaches at the model's first training forward) are judged too.
 
 What a torch.load returned is remembered by the identity of the dicts inside it (id, size and
-first key: nothing is kept alive), so that a model.load_state_dict(ckpt["model"]) on an attached
-model knows what else that checkpoint held: an optimizer state, a scheduler state, a counter.
-"""
+first key: nothing is kept alive), so that a model.load_state_dict(ckpt["model"]) knows what else
+that checkpoint held: an optimizer state, a scheduler state, a counter."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import weakref
@@ -19,7 +22,7 @@ import torch
 
 from . import _native
 from ._findings import TrainingBugError
-from ._patches import Patch, _open_sanitizers
+from ._patches import _open_sanitizers
 from .checkpoint import state_mismatches
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
@@ -87,20 +90,24 @@ def _lookup(sd: Any) -> Optional[CkptInfo]:
     return None
 
 
+def _related(module: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether a load into `module` is a load of `model`: it is the model, inside it, or holds
+    it."""
+    return module is model or any(x is module for x in model.modules()) or any(
+        x is model for x in module.modules())
+
+
 def _owners(module: torch.nn.Module) -> list:
     """Open sanitizers whose model is `module`, inside it, or holds it."""
-    out = []
-    for san in list(_open_sanitizers):
-        if san._closed or getattr(san, "_resume", None) is None:
-            continue
-        m = san._model
-        if module is m or any(x is module for x in m.modules()) or any(
-                x is m for x in module.modules()):
-            out.append(san)
-    return out
+    return [san for san in _watching() if _related(module, san._model)]
 
 
-def _guard(fn, *args) -> None:
+def _watching() -> list:
+    return [san for san in list(_open_sanitizers)
+            if not san._closed and getattr(san, "_resume", None) is not None]
+
+
+def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
     try:
         fn(*args)
     except TrainingBugError:
@@ -108,8 +115,186 @@ def _guard(fn, *args) -> None:
     except Exception as exc:  # noqa: BLE001 - never fail the user's load over this
         import warnings
 
-        warnings.warn(f"trainsan: the resume check failed ({type(exc).__name__}: {exc}); "
-                      "the load went through unchecked", stacklevel=3)
+        warnings.warn(f"trainsan: the resume check failed ({type(exc).__name__}: {exc}); {what}",
+                      stacklevel=3)
+
+
+# Note [Load journal]
+# ~~~~~~~~~~~~~~~~~~~
+# A resume is usually restored before the first forward, so before `python -m trainsan run`
+# attaches (at the model's first training forward) and before most explicit attach() calls. From
+# `import trainsan` on, torch.load, Module.load_state_dict, Optimizer.load_state_dict, the
+# schedulers' load_state_dict and the load_state_dict of DataLoader and Sampler subclasses that
+# define one (torchdata's StatefulDataLoader and StatefulDistributedSampler, a custom sampler)
+# are wrapped for good, and every load is written to a process-wide journal: the last
+# _JOURNALED loads, in order, each holding only a weak reference to what was loaded and what the
+# load needs later — a model load keeps the CkptInfo of the torch.load it came from (looked up
+# at the load), the strict flag and the missing/unexpected key names; never a tensor or a state
+# dict. The journal is the single source of the resume events: a load made while sanitizers are
+# open is journaled and handed at once to those it concerns (as before: their ResumeWatch), and a
+# Sanitizer, once built, replays the journaled loads that concern it, in order: a model load of
+# its model (the module is the model, inside it, or holds it), loads of its optimizers and of
+# their schedulers. Its first steps then judge them as if it had been attached before the loads;
+# a load of another model or optimizer does not reach it.
+#
+# A load is replayed while it still waits for its judgement: until a step of an optimizer that
+# holds parameters of the loaded module (a model load), or of the loaded optimizer (an optimizer
+# or scheduler load). A global optimizer step pre-hook, installed while some journaled load
+# waits, marks them (an optimizer that holds none of a module's parameters is remembered, so a
+# model that never trains — a teacher, a reference — costs a dictionary lookup a step). So a
+# sanitizer attached after the run trained past its resume replays nothing (its first step is
+# not the one after the load), and one that replaces another before the first step (the launcher
+# closes a model's sanitizer and attaches it anew when a new optimizer of it appears) still knows
+# the model was resumed: the first never judged the load, the second does, once. The facts given
+# at the load itself are then given to both (a strict=False load's bad_checkpoint, an optimizer
+# state in another order), each sanitizer's own finding.
+#
+# Replayed, a strict model load gives no load event of its own (moment 0, Note [Replayed data]):
+# the inputs check of a sanitizer attached after the load holds no batch trained before it, so
+# it has nothing to compare with (a run resumed with resume_trace= is seeded at attach anyway).
+# A strict=False load is replayed as it was seen live when it dropped keys or carried a prefix.
+# Loader and sampler loads are journaled (the data position was restored) for the data checks;
+# ResumeFacts has no field for them yet, so no rule reads them today.
+_JOURNALED = 64
+
+
+@dataclasses.dataclass(eq=False)
+class _Load:
+    """One journaled load (Note [Load journal])."""
+
+    kind: str  # "model", "optimizer", "scheduler", "loader"
+    ref: Any  # weakref to the module, optimizer, scheduler, or loader/sampler (None: not weak)
+    info: Optional[CkptInfo] = None  # model: the torch.load its state dict came from
+    strict: bool = True  # model: checked strictly (or no result to read)
+    missing: tuple = ()  # model, strict=False: the keys it lacked
+    unexpected: tuple = ()  # model, strict=False: the keys it did not take
+    opt: Any = None  # scheduler: weakref to its optimizer
+    params: frozenset = frozenset()  # model: ids of the module's parameters at the load
+    waiting: bool = True  # no step that judges it yet
+    # model: optimizer -> its number of parameter groups when found to hold none of `params`
+    unrelated: Any = None
+
+
+_journal: "collections.deque[_Load]" = collections.deque(maxlen=_JOURNALED)
+_step_hook: list = []  # the handle of the global step pre-hook, while one is installed
+
+
+def _weak(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+def _on_any_step(opt, args, kwargs) -> None:
+    """Global optimizer step pre-hook: the journaled loads this step judges stop waiting. It
+    never fails the step, and never adds or removes a hook (torch iterates them as it calls this
+    one): once nothing waits it returns at once, and it is removed at the next load."""
+    if not _waiting[0]:
+        return
+    try:
+        left = False
+        for e in list(_journal):
+            if e.waiting:
+                _judged_by(e, opt)
+                left = left or e.waiting
+        _waiting[0] = left
+    except Exception:  # noqa: BLE001 - never fail the user's step over this
+        pass
+
+
+def _judged_by(e: _Load, opt) -> None:
+    if e.ref is not None and e.ref() is None:
+        e.waiting = False  # what was loaded is gone
+    elif e.kind == "model":
+        n = len(opt.param_groups)
+        if e.unrelated.get(opt) != n:
+            if any(id(p) in e.params for g in opt.param_groups for p in g["params"]):
+                e.waiting = False
+            else:
+                e.unrelated[opt] = n
+    else:
+        ref = e.ref if e.kind == "optimizer" else e.opt
+        target = ref() if ref is not None else None
+        if target is None or target is opt:
+            e.waiting = False
+
+
+_waiting = [False]  # some journaled load waits for its judgement
+
+
+def _journal_add(e: _Load) -> _Load:
+    """Journal a load; the step hook is installed while some load waits (removed here, at a
+    load, once none does: never from inside a step)."""
+    _journal.append(e)
+    _waiting[0] = any(x.waiting for x in _journal)
+    if _waiting[0] and not _step_hook:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _step_hook.append(register_optimizer_step_pre_hook(_on_any_step))
+    elif not _waiting[0] and _step_hook:
+        _step_hook.pop().remove()
+    return e
+
+
+def _record(make) -> Optional[_Load]:
+    """Journal the load `make()` describes; None when that fails (the load stands, unjournaled)."""
+    try:
+        return _journal_add(make())
+    except Exception as exc:  # noqa: BLE001 - never fail the user's load over this
+        import warnings
+
+        warnings.warn(f"trainsan: the load journal failed ({type(exc).__name__}: {exc}); this "
+                      "load is not judged", stacklevel=3)
+        return None
+
+
+def _model_load(module, state_dict, strict: bool, result) -> _Load:
+    checked = strict or result is None
+    return _Load(
+        "model", _weak(module), info=_lookup(state_dict), strict=checked,
+        missing=() if checked else tuple(getattr(result, "missing_keys", ())),
+        unexpected=() if checked else tuple(getattr(result, "unexpected_keys", ())),
+        params=frozenset(id(p) for p in module.parameters()),
+        unrelated=weakref.WeakKeyDictionary())
+
+
+def _deliver(e: _Load, san, replay: bool) -> None:
+    """Hand one journaled load to a sanitizer's ResumeWatch (live, or replayed at attach)."""
+    w = san._resume
+    target = e.ref() if e.ref is not None else None
+    if e.kind == "model":
+        if target is not None:
+            w.model_loaded(target, e, replay)
+    elif e.kind == "optimizer":
+        if target is not None:
+            w.optimizer_loaded(target)
+    elif e.kind == "scheduler":
+        opt = e.opt() if e.opt is not None else None
+        if opt is not None:
+            w.scheduler_loaded(opt)
+
+
+def _concerns(e: _Load, san) -> bool:
+    """Whether a journaled load is one of `san`'s: a load of its model, of its optimizers or of
+    their schedulers."""
+    if e.kind == "model":
+        module = e.ref() if e.ref is not None else None
+        return module is not None and _related(module, san._model)
+    if e.kind in ("optimizer", "scheduler"):
+        ref = e.ref if e.kind == "optimizer" else e.opt
+        opt = ref() if ref is not None else None
+        return opt is not None and any(o is opt for o in san._optimizers)
+    return False
+
+
+def replay_loads(san) -> None:
+    """At attach: the journaled loads that concern `san` and still wait for their judgement, in
+    order (Note [Load journal])."""
+    _guard(_wrap_loader_classes, what="loader loads are not journaled")
+    for e in list(_journal):
+        if e.waiting and _concerns(e, san):
+            _guard(_deliver, e, san, True, what="this load before attach is not judged")
 
 
 def _patches() -> list:
@@ -127,27 +312,31 @@ def _patches() -> list:
     def load(*args, **kwargs):
         obj = orig_load(*args, **kwargs)
         _guard(_remember, obj)
+        _guard(_wrap_loader_classes)
         return obj
 
     def module_load(self, state_dict, strict=True, assign=False):
         result = orig_module(self, state_dict, strict, assign)
-        for san in _owners(self):
-            _guard(san._resume.model_loaded, self, state_dict, strict, result)
+        entry = _record(lambda: _model_load(self, state_dict, strict, result))
+        if entry is not None:
+            for san in _owners(self):
+                _guard(_deliver, entry, san, False)
         return result
 
     def optim_load(self, state_dict):
         out = orig_optim(self, state_dict)
-        for san in list(_open_sanitizers):
-            if not san._closed and getattr(san, "_resume", None) is not None:
-                _guard(san._resume.optimizer_loaded, self)
+        entry = _record(lambda: _Load("optimizer", _weak(self)))
+        for san in _watching() if entry is not None else ():
+            _guard(_deliver, entry, san, False)
         return out
 
     def sched_wrapper(orig):
         def sched_load(self, state_dict):
             out = orig(self, state_dict)
-            for san in list(_open_sanitizers):
-                if not san._closed and getattr(san, "_resume", None) is not None:
-                    _guard(san._resume.scheduler_loaded, self)
+            entry = _record(lambda: _Load("scheduler", _weak(self),
+                                          opt=_weak(getattr(self, "optimizer", None))))
+            for san in _watching() if entry is not None else ():
+                _guard(_deliver, entry, san, False)
             return out
 
         sched_load.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -160,7 +349,61 @@ def _patches() -> list:
         (c, "load_state_dict", sched_wrapper(c.__dict__["load_state_dict"])) for c in sched_owners]
 
 
-resume_patch = Patch(_patches)
+# Loader and sampler state (Note [Load journal]): the load_state_dict of every subclass of
+# DataLoader or Sampler that defines one, wrapped when first seen: at install, at every torch.load
+# (a resume loads its checkpoint before restoring the loader from it) and at every attach.
+_loader_depth = [0]  # a subclass's load_state_dict calling its base's is one load
+
+
+def _loader_wrapper(orig):
+    def load_state_dict(self, *args, **kwargs):
+        _loader_depth[0] += 1
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            _loader_depth[0] -= 1
+        if _loader_depth[0] == 0:
+            _record(lambda: _Load("loader", _weak(self), waiting=False))
+        return out
+
+    load_state_dict.__wrapped__ = orig  # type: ignore[attr-defined]
+    load_state_dict._trainsan_journal = True  # type: ignore[attr-defined]
+    return load_state_dict
+
+
+def _wrap_loader_classes() -> None:
+    from torch.utils.data import DataLoader, Sampler
+
+    stack, seen = [DataLoader, Sampler], set()
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        f = c.__dict__.get("load_state_dict")
+        if callable(f) and not getattr(f, "_trainsan_journal", False):
+            try:
+                c.load_state_dict = _loader_wrapper(f)
+            except (TypeError, AttributeError):
+                pass
+        try:
+            stack.extend(c.__subclasses__())
+        except TypeError:
+            pass
+
+
+_installed: list = []
+
+
+def install() -> None:
+    """The load journal (Note [Load journal]): installed once, at `import trainsan`."""
+    if _installed:
+        return
+    for owner, name, new in _patches():
+        setattr(owner, name, new)
+    _installed.append(True)
+    _guard(_wrap_loader_classes)
+
 
 def _stateful(opt: torch.optim.Optimizer) -> bool:
     """Whether the optimizer keeps state across steps (plain SGD does not)."""
@@ -197,23 +440,25 @@ class ResumeWatch:
         if san is not None:
             san._apply(san._handle.resume(_native.facts("ResumeFacts", **facts)))
 
-    def model_loaded(self, module, state_dict, strict: bool, result) -> None:
+    def model_loaded(self, module, e: "_Load", replay: bool = False) -> None:
+        """A load of the model (Note [Load journal]: live, or replayed at attach)."""
         san = self._san()
         if san is None:
             return
-        info = _lookup(state_dict)
-        self._pending = {k: info for k in range(len(san._optimizers))}
-        if strict or result is None:
-            self._send(moment=0)  # the resume event (Note [Replayed data])
+        self._pending = {k: e.info for k in range(len(san._optimizers))}
+        if e.strict:
+            if not replay:
+                self._send(moment=0)  # the resume event (Note [Replayed data])
             return
-        missing = list(getattr(result, "missing_keys", []))
-        unexpected = list(getattr(result, "unexpected_keys", []))
+        missing, unexpected = list(e.missing), list(e.unexpected)
         prefix, matched = _prefix(missing, unexpected)
         optimized = {id(p) for o in san._optimizers for g in o.param_groups for p in g["params"]}
         params = dict(module.named_parameters())
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
                  and san._optimizers and id(params[k]) not in optimized]
+        if replay and not (prefix or frozen or unopt):
+            return  # nothing to judge at the load (Note [Load journal])
         self._send(moment=0, prefix=prefix, prefix_keys=matched, dropped_frozen=frozen,
                    dropped_unoptimized=unopt)
 
@@ -228,8 +473,9 @@ class ResumeWatch:
         if bad:
             self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
 
-    def scheduler_loaded(self, sched) -> None:
-        k = self._index(getattr(sched, "optimizer", None))
+    def scheduler_loaded(self, opt) -> None:
+        """A load of a scheduler of `opt`."""
+        k = self._index(opt)
         if k is not None:
             self._sched_restored.add(k)
 

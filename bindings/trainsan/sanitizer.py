@@ -37,7 +37,7 @@ from .determinism import Rerun
 from .precision import Provenance, write_headroom
 from .replicas import ReplicaComparison
 from .replicas import active as replicas_active
-from .resume import ResumeWatch, resume_patch
+from .resume import ResumeWatch, replay_loads
 from .stats import TensorStats, _unpack
 
 __all__ = [
@@ -166,7 +166,6 @@ class Sanitizer:
         self._parts.append(ParamsLive(model, self._tracked))  # at the first step
         self._parts.append(Held(_loss_patch))
         self._parts.append(Held(_save_patch))
-        self._parts.append(Held(resume_patch))
         _patches.register(self)
         self._parts.append(Held(_compile.compile_patch,
                                 lambda: _compile.unwrap_compiled_call(model)))
@@ -203,6 +202,16 @@ class Sanitizer:
             rootless.install(_weak_method(self._on_forward))
             self._parts.append(rootless)
         self._calls = event_calls(self._parts)
+        # Loads made before this attach, judged as if it had come first (Note [Load journal]); a
+        # finding that raises (policy raise) leaves nothing attached.
+        try:
+            replay_loads(self)
+        except TrainingBugError:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the finding replayed is the error
+                pass
+            raise
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ optimizer restored with the empty state of a fresh one (error), the scheduler no
 nothing because of a key prefix, strict=False leaving a frozen parameter at its initial value.
 Legitimate, silent: a full resume (model, optimizer, scheduler, RNG) in either order, fine-tuning
 from pretrained weights with a fresh optimizer, a backbone loaded into a model with a new head
-(strict=False), loads made before attach.
+(strict=False). Loads made before attach are judged the same (Note [Load journal] in resume.py;
+test_resume_replay.py).
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ def test_fine_tuning_from_weights_is_silent(ckpt):
     assert san.findings == [], [f.message for f in san.findings]
 
 
-def test_loads_before_attach_are_not_judged(ckpt):
+def test_loads_before_attach_are_judged(ckpt):
     san = resume(ckpt[0], load_opt=False, load_sched=False, attach_first=False)
-    assert not found(san, "optimizer_reset")
+    (f,) = [f for f in found(san, "optimizer_reset") if f.severity == "error"]
+    assert "optimizer 0 (AdamW) was not restored" in f.message
+    assert resume(ckpt[0], attach_first=False).findings == []
 
 
 def test_optimizer_state_in_another_order_is_found(ckpt):
@@ -160,16 +163,17 @@ def test_strict_false_prefix_and_frozen_drops_are_found(ckpt):
                for m in msgs), msgs
 
 
-def test_patches_are_removed_on_close():
+def test_journal_wrappers_stay_installed_across_attach_and_close():
+    # Installed at import (Note [Load journal]): an attach and its close leave them as they are.
     owners = [(torch, "load"), (torch.nn.Module, "load_state_dict"),
               (torch.optim.Optimizer, "load_state_dict"),
               (torch.optim.lr_scheduler.LambdaLR, "load_state_dict")]
     before = [o.__dict__[n] for o, n in owners]
+    assert all(getattr(b, "__wrapped__", None) is not None for b in before)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    san = trainsan.attach(model, opt)
-    assert all(o.__dict__[n] is not b for (o, n), b in zip(owners, before))
-    san.close()
+    with trainsan.attach(model, opt):
+        assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
     assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
 
 
