@@ -276,6 +276,36 @@ def _holders(ids: set) -> list:
     return [m for _, m in sorted(some, key=lambda t: -t[0])]
 
 
+class _Roots(torch.nn.Module):
+    """Several root modules trained by one optimizer, as one model for one sanitizer: its
+    children are the roots, named by the script's variables. It has no forward(): the outermost
+    calls of the roots are its forwards (Note [Models without a root forward])."""
+
+
+def _root_names(roots: list) -> list:
+    main = vars(sys.modules.get("__main__", types.ModuleType("__main__")))
+    by_id = {id(v): k for k, v in list(main.items())
+             if isinstance(v, torch.nn.Module) and k.isidentifier() and not k.startswith("_")}
+    names, used = [], set()
+    for k, m in enumerate(roots):
+        name = by_id.get(id(m)) or f"{type(m).__name__.lower()}{k}"
+        while name in used:
+            name += "_"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _one_model(roots: list) -> torch.nn.Module:
+    """The module to attach for `roots` (Note [Launcher pairing])."""
+    if len(roots) == 1:
+        return roots[0]
+    combined = _Roots()
+    for name, m in zip(_root_names(roots), roots):
+        combined.add_module(name, m)
+    return combined
+
+
 class Pairer:
     """Attaches a sanitizer to each optimizer the script builds (Note [Launcher pairing])."""
 
@@ -405,17 +435,28 @@ class Pairer:
         else:
             # The optimizers hold more than this module: attach the module holding them all (an
             # agent whose code calls agent.actor(x), agent.critic(x)), or each root holding some.
-            targets = [_compile.unwrap_compiled(m) for m in _holders(held)] or [model]
-        for target in targets:
-            own = {id(p) for p in target.parameters()}
-            if target in self._skip or any(p.ids & own for p in self._active()):
-                continue
-            san = self._attach(target, self._candidates(own), None)
-            if san is not None and target is module:
-                # The sanitizer's own pre-hook was registered during this call and is not called
-                # for it: report the forward (for a torch.compile wrapper the hook traced inside
-                # does). Under no_grad too: a training forward without gradients (no_grad_leak).
-                san.training_forward(*args)
+            targets = self._free([_compile.unwrap_compiled(m) for m in _holders(held)])
+            if not targets:
+                return
+            model = _one_model(targets)
+        san = self._attach(model, self._candidates({id(p) for p in model.parameters()}), None)
+        if san is not None and model is module:
+            # The sanitizer's own pre-hook was registered during this call and is not called for
+            # it: report the forward (for a torch.compile wrapper the hook traced inside does).
+            # Under no_grad too: a training forward without gradients (no_grad_leak).
+            san.training_forward(*args)
+        elif san is not None and isinstance(model, _Roots) or (
+                san is not None and type(model).forward is torch.nn.Module.forward):
+            san.training_forward(*args)  # this call was the first of its submodules' calls
+
+    def _free(self, roots: list) -> list:
+        """Of `roots`, those not refused and not attached (through themselves or another)."""
+        out = []
+        for root in roots:
+            own = {id(p) for p in root.parameters()}
+            if root not in self._skip and not any(p.ids & own for p in self._active()):
+                out.append(root)
+        return out
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if opt not in self._order or not any(o is opt for o in self._pending()):
@@ -443,11 +484,10 @@ class Pairer:
             self._orphans.add(opt)
             self.notes.append(f"the script {event} {type(opt).__name__} ({len(ids)} tensors), "
                               "but no module holds its parameters: not checked")
-        for root in roots:
-            own = {id(p) for p in root.parameters()}
-            if root in self._skip or any(p.ids & own for p in self._active()):
-                continue  # refused (a note says why), or attached through another root
-            self._attach(root, self._candidates(own), None)
+        free = self._free(roots)  # less those refused (a note says why) or attached
+        if free:
+            model = _one_model(free)
+            self._attach(model, self._candidates({id(p) for p in model.parameters()}), None)
         if roots and not any(o is opt for p in self._active() for o in p.optimizers):
             self._orphans.add(opt)  # its models were refused (the notes say why)
         self._sync_hooks()
