@@ -303,15 +303,18 @@ def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
             is not None}
 
 
-def _check_optimizers_hold_model(optimizers, params) -> None:
-    """An optimizer that holds none of the model's parameters updates tensors the model does not
-    use: it was built before the parameters were replaced (fully_shard, distribute_module, ...)."""
+def _optimizers_holding_none(optimizers, params) -> list:
+    """What is wrong with each optimizer that holds none of the model's parameters (it updates
+    tensors the model does not use: it was built before the parameters were replaced by
+    fully_shard, distribute_module, ...), one message each; attach() raises the first under
+    policy "raise" (Note [Attach order] in sanitizer.py)."""
     ids = {id(p) for p in params}
+    out = []
     for k, opt in enumerate(optimizers):
         held = [p for g in opt.param_groups for p in g["params"]]
         if held and not any(id(p) in ids for p in held):
             sharded = any(_is_dtensor(p) for p in params) and not any(_is_dtensor(p) for p in held)
-            raise ValueError(
+            out.append(
                 f"trainsan.attach: optimizer[{k}] holds none of the model's parameters "
                 f"({len(held)} tensor(s), none of them in model.parameters()) — "
                 + ("the model's parameters are sharded DTensors and the optimizer's are not: "
@@ -323,3 +326,4 @@ def _check_optimizers_hold_model(optimizers, params) -> None:
                    "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
                    "another model; build it from model.parameters() of the model you train")
             )
+    return out

@@ -153,14 +153,28 @@ class CustomGrads(Gatherer):
         return []
 
 
+def params_replaced_message(gone: list, attached: int) -> str:
+    """Why parameters replaced after attach() are a problem, and the order to use."""
+    return (
+        f"trainsan: {len(gone)} of the {attached} parameters attached are no "
+        f"longer the model's (e.g. {gone[0]!r}): they were replaced after attach() "
+        "(fully_shard, distribute_module, to_empty, load_state_dict(assign=True), "
+        "parametrizations?), so TrainSan would watch tensors the model no longer uses. "
+        "Replace them first, build the optimizer on the model as it is then, and attach "
+        "last (for FSDP2: fully_shard, then the optimizer, then trainsan.attach)"
+    )
+
+
 class ParamsLive(Gatherer):
     """At the first step: the attached parameters must still be the model's. fully_shard,
     distribute_module, to_empty or load_state_dict(assign=True) after attach() replace them: the
-    hooks and statistics would watch tensors the model no longer uses."""
+    hooks and statistics would watch tensors the model no longer uses. `replaced(message)` is
+    told (the sanitizer raises under policy "raise", re-binds otherwise: Note [Attach order])."""
 
-    def __init__(self, model, tracked: list) -> None:
+    def __init__(self, model, tracked: list, replaced: Callable[[str], None]) -> None:
         self._model = model
         self._tracked = tracked  # (name, parameter) as attached
+        self._replaced = replaced
         self._done = False
 
     def before_step(self, k: int) -> None:
@@ -170,14 +184,7 @@ class ParamsLive(Gatherer):
         live = {id(p) for p in self._model.parameters()}
         gone = [n for n, p in self._tracked if id(p) not in live]
         if gone:
-            raise RuntimeError(
-                f"trainsan: {len(gone)} of the {len(self._tracked)} parameters attached are no "
-                f"longer the model's (e.g. {gone[0]!r}): they were replaced after attach() "
-                "(fully_shard, distribute_module, to_empty, load_state_dict(assign=True), "
-                "parametrizations?), so TrainSan would watch tensors the model no longer uses. "
-                "Replace them first, build the optimizer on the model as it is then, and attach "
-                "last (for FSDP2: fully_shard, then the optimizer, then trainsan.attach)"
-            )
+            self._replaced(params_replaced_message(gone, len(self._tracked)))
 
     def close(self) -> list:
         self._done = True

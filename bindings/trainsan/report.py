@@ -56,11 +56,12 @@ def rank_traces(path: str) -> list:
 def load_trace(path: str) -> dict:
     """The records of one trace, by type: ``path``, ``header`` (or None), ``steps``,
     ``findings``, ``summary`` (None: the run ended early), ``amp`` (the AMP-skip records),
-    ``scaler`` (every gradient-scaler step) and ``ranges`` (precision-headroom counts)."""
+    ``scaler`` (every gradient-scaler step), ``ranges`` (precision-headroom counts) and ``notes``
+    (what the sanitizer did about its own preconditions under warn/record)."""
     t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": [],
-         "scaler": [], "ranges": []}
+         "scaler": [], "ranges": [], "notes": []}
     lists = {"step": "steps", "finding": "findings", "amp_skip": "amp", "scaler": "scaler",
-             "range": "ranges"}
+             "range": "ranges", "note": "notes"}
     for rec in read_trace(path):
         kind = rec["type"]
         if kind in ("header", "summary"):
@@ -172,6 +173,8 @@ def _report_text(t: dict, png: Optional[str]) -> str:
         lines.append("  " + _scaler_line(t["scaler"]))
     if t["ranges"]:
         lines.append("  " + headroom_summary(t["ranges"]))
+    for n in t["notes"]:
+        lines.append(f"  note at step {n.get('step')}: {n.get('message')}")
     counts = summary.get("findings", {}) if summary else {}
     if findings:
         lines.append(f"  {len(findings)} distinct finding(s):")

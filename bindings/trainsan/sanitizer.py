@@ -10,6 +10,8 @@ the sanitizer holds are members of one list (Note [Gatherers] in _gatherers.py).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -20,15 +22,15 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _compile, _patches
-from ._facts import (_check_optimizers_hold_model, _flat_tensors, _fsdp_sharded_ids,
-                     _fsdp_unsharded_ids, _group_lrs, _header_extra, _is_dtensor, _local,
-                     _loss_targets, _mode_modules, _param_table, _skip_frames, _steps_in_flight)
+from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _group_lrs,
+                     _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
+                     _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight)
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
-from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
-                       _scaler_patch, _step_counts)
+from ._patches import (_attached, _data_restarts, _forward_clock, _loader_patch, _loss_patch,
+                       _save_patch, _scaler_patch, _step_counts, attached_to)
 from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
@@ -52,6 +54,71 @@ __all__ = [
 
 _NO_IDS: frozenset = frozenset()
 
+# Note [Attach order]
+# ~~~~~~~~~~~~~~~~~~~
+# TrainSan watches the parameter objects the model holds when attach() runs, so the order is:
+# replace the parameters (a wrapper, fully_shard, distribute_module, to_empty,
+# load_state_dict(assign=True)), build the optimizer, attach. Two preconditions say when it was
+# not: at attach, an optimizer that holds none of the model's parameters (built before they were
+# replaced); at the first step (ParamsLive), attached parameters the model no longer holds
+# (replaced after attach). Under policy "raise" each is an error (ValueError from attach,
+# RuntimeError from the first step). Under "warn" and "record" TrainSan's own preconditions never
+# raise into the script:
+# * An optimizer holding none of the parameters: attach goes on, and a note says why its steps
+#   update nothing the model uses. No finding does: with no parameter in any optimizer the C++
+#   side judges the model as one without an optimizer (have_optimizer: param_not_in_optimizer,
+#   missing_grad and the mode rules say nothing; update_ratio may warn of updates of 0).
+# * Parameters replaced after attach: the sanitizer re-binds (_rebind) at that first step to the
+#   model as it is now, with the same optimizers, policy, options, checks and trace path: what it
+#   installed is released quietly (the C++ side's reports at close are not applied) and built
+#   anew. That step is then in flight for the new hooks, as for an attach inside a step
+#   (step_in_flight: the step rules do not judge it; its gradients arrived before the new hooks);
+#   the checks go on from the next step. The trace restarts (the C++ side opens it anew, header
+#   included); its first records after the header are the notes so far, then the re-binding's,
+#   which lists the findings made before it. Those findings stay in `findings` (merged by kind
+#   and tensor with the new ones) and their counts in coverage(). The model stays registered as
+#   attached (attached(model) is the same object).
+# A note is a trace record {"type": "note", "about": ..., "step": ..., "message": ...}, listed by
+# summary() and coverage()["notes"], and under "warn" a TrainingBugWarning.
+_GOES_ON = {
+    "optimizer_holds_none": (
+        "; TrainSan goes on (policy {policy}) watching the model's parameters, which this "
+        "optimizer's steps leave unchanged (no finding says so: the step rules that need an "
+        "optimizer see none holding them)"),
+    "parameters_replaced": (
+        "; TrainSan re-binds to the model's current parameters at this step (policy {policy}) "
+        "and goes on checking from the next step; the trace restarts here"),
+}
+# coverage() counts that add up across a re-binding (the others are the new binding's).
+_ADDITIVE = ("steps_checked", "update_steps", "training_forwards", "other_forwards",
+             "losses_checked", "inputs_fingerprinted", "audited_forwards", "ops_audited")
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside trainsan and torch (for a warning)."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    tdir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    f, level = sys._getframe(2), 2  # the caller of the function that asks
+    while f is not None and f.f_code.co_filename.startswith((pkg, tdir)):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _merge(before: list, now: list) -> list:
+    """Findings before a re-binding and after it, one per kind and tensor (the first seen, with
+    the counts added and the latest step); new Finding objects."""
+    out = [dataclasses.replace(f) for f in before]
+    index = {(f.kind, f.tensor): f for f in out}
+    for f in now:
+        e = index.get((f.kind, f.tensor))
+        if e is None:
+            out.append(dataclasses.replace(f))
+            index[(f.kind, f.tensor)] = out[-1]
+        else:
+            e.count += f.count
+            e.last_step = max(e.last_step, f.last_step)
+    return out
+
 
 class Sanitizer:
     """A sanitizer attached to one model (and its optimizers). Create it with :func:`attach`."""
@@ -67,10 +134,29 @@ class Sanitizer:
     ):
         self._model = model
         self._optimizers = list(optimizers)
+        self._policy = policy
+        self._trace_path = trace
+        self._checks = checks
+        self._options = options
+        self._closed = False
+        self._parts: list = []
+        self._calls = event_calls([])
+        # Note [Attach order]: what a re-binding keeps.
+        self._binding = 0  # re-bindings so far
+        self._notes: list = []  # the trace's note records, also in summary() and coverage()
+        self._before: list = []  # the findings of the parameters watched before re-binding
+        self._counts_before: dict = {}  # their coverage counts
+        self._build()
+
+    def _build(self) -> None:
+        """Install everything for the model and optimizers as they are now (attach, and a
+        re-binding: Note [Attach order])."""
+        model, policy, trace, checks, options = (
+            self._model, self._policy, self._trace_path, self._checks, self._options)
         self._closed = False
         # Note [Gatherers]: what close() releases, in the order the events call it. An __init__
         # that raises is still close()d (by __del__): only what was installed is in the list.
-        self._parts: list = []
+        self._parts = []
         self._calls = event_calls([])
         self._tracing = bool(trace)  # a trace is written: step fingerprints of the targets
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
@@ -85,7 +171,9 @@ class Sanitizer:
                 "trainsan.attach: the model has no parameters; attach to the module you train"
             )
         opts = option_strings(options, policy, trace, checks)
-        _check_optimizers_hold_model(self._optimizers, params)
+        holding_none = _optimizers_holding_none(self._optimizers, params)
+        if holding_none and policy == "raise":
+            raise ValueError(holding_none[0])
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
         self._fsdp_ids = fsdp_ids
@@ -115,6 +203,13 @@ class Sanitizer:
             external,
         )
         handle = self._handle
+        # Note [Attach order]: the notes so far go into a restarted trace too; an optimizer that
+        # holds none of the model's parameters is one under "warn" and "record".
+        for rec in self._notes:
+            handle.trace_record(json.dumps(rec))
+        for msg in holding_none:
+            self._note("optimizer_holds_none",
+                       msg + _GOES_ON["optimizer_holds_none"].format(policy=policy))
         hooks = Hooks()
         self._parts.append(hooks)
         for k, p in enumerate(params):
@@ -163,7 +258,8 @@ class Sanitizer:
         self._param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
         self._opt_index = list(opt_index)
-        self._parts.append(ParamsLive(model, self._tracked))  # at the first step
+        self._parts.append(ParamsLive(model, self._tracked,  # at the first step
+                                      _weak_method(self._params_replaced)))
         self._parts.append(Held(_loss_patch))
         self._parts.append(Held(_save_patch))
         _patches.register(self)
@@ -212,6 +308,74 @@ class Sanitizer:
             except Exception:  # noqa: BLE001 - the finding replayed is the error
                 pass
             raise
+
+    # -- attach order (Note [Attach order]) --------------------------------------------------------
+
+    def _note(self, about: str, message: str, **extra: Any) -> None:
+        """A note: a trace record, listed by summary() and coverage(); warned under "warn"."""
+        if any(n["about"] == about and n["message"] == message for n in self._notes):
+            return
+        rec = {"type": "note", "about": about, "step": int(self._handle.step()),
+               "message": message, **extra}
+        self._notes.append(rec)
+        self._handle.trace_record(json.dumps(rec))
+        if self._policy == "warn":
+            warnings.warn(message, TrainingBugWarning, stacklevel=_user_stacklevel())
+
+    def _params_replaced(self, message: str) -> None:
+        """ParamsLive: the attached parameters are no longer the model's (at the first step)."""
+        if self._policy == "raise":
+            raise RuntimeError(message)
+        self._rebind(message)
+
+    def _rebind(self, message: str) -> None:
+        """Re-bind to the model's current parameters (Note [Attach order])."""
+        registered = attached_to(self._model) is self
+        old = self._handle
+        counts = dict(old.coverage()[0])
+        self._closed = True
+        _patches.unregister(self)
+        for part in self._parts:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - quiet: what is left is built anew
+                pass
+        try:
+            old.close()  # its reports are not applied; its summary record is overwritten
+        except Exception:  # noqa: BLE001
+            pass
+        self._binding += 1
+        try:
+            self._build()
+        except Exception as exc:  # noqa: BLE001 - never raise into the script under warn/record
+            self._closed = True
+            _patches.unregister(self)
+            for part in self._parts:
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._handle is not old:
+                try:
+                    self._handle.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._handle = old  # what it found stays readable
+            warnings.warn(f"{message}; re-binding to the model's current parameters failed "
+                          f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
+                          TrainingBugWarning, stacklevel=_user_stacklevel())
+            return
+        before = [Finding._from_tuple(t) for t in old.findings()]
+        self._before = _merge(self._before, before)
+        for key in _ADDITIVE:
+            if key in counts:
+                self._counts_before[key] = self._counts_before.get(key, 0) + int(counts[key])
+        if registered:
+            _attached[self._model] = weakref.ref(self)
+            _compile.wrap_compiled_call(self._model)
+        extra = {"findings_before": [dataclasses.asdict(f) for f in before]} if before else {}
+        self._note("parameters_replaced",
+                   message + _GOES_ON["parameters_replaced"].format(policy=self._policy), **extra)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -266,8 +430,11 @@ class Sanitizer:
 
     def _begin_step(self, k: int) -> None:
         # Every member, also once closed (each is a no-op then, but for windows still to end).
+        binding = self._binding
         for call in self._calls["before_step"]:
             call(k)
+            if self._binding != binding:
+                return  # re-bound: this step is in flight for the new hooks (Note [Attach order])
         if not self._closed:
             self._stepping.add(k)
             if self._handle.headroom_due():
@@ -423,7 +590,8 @@ class Sanitizer:
     @property
     def findings(self) -> list[Finding]:
         """Every distinct finding so far, each with its count."""
-        return [Finding._from_tuple(t) for t in self._handle.findings()]
+        now = [Finding._from_tuple(t) for t in self._handle.findings()]
+        return _merge(self._before, now) if self._before else now
 
     @property
     def step(self) -> int:
@@ -447,6 +615,8 @@ class Sanitizer:
         ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
         counts, kinds, reasons = self._handle.coverage()
         out = dict(counts)
+        for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
+            out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
         out["outside_model"] = self._outside_model()
         if self._replicas is not None and not self._replicas.sets:
@@ -454,6 +624,8 @@ class Sanitizer:
                 "no parameter has replicas on this rank (each is sharded on every mesh dimension "
                 "or marked tensor_model_parallel)"
             )
+        if self._notes:
+            out["notes"] = [n["message"] for n in self._notes]
         return out
 
     def _outside_model(self) -> list:
@@ -499,6 +671,8 @@ class Sanitizer:
             shapes = ", ".join(str(x) for x in o["shapes"]) + (", ..." if o["count"] > 3 else "")
             lines.append(f"  not checked: {o['count']} of the {o['of']} parameter(s) of optimizer "
                          f"{o['optimizer']} ({o['type']}; shapes {shapes}): {o['why']}")
+        for note in c.get("notes", ()):
+            lines.append(f"  note: {note}")
         return "\n".join(lines)
 
     def last_stats(self) -> dict[str, TensorStats]:

@@ -18,9 +18,11 @@ rank 1's shard of fc2.weight and fc2.bias is empty (uneven dim-0 sharding, which
   FSDP2 adds the new reduce-scattered shard into the existing sharded gradient);
 * ``fsdp_optimizer_before_shard``: the optimizer is built on ``model.parameters()`` BEFORE
   ``fully_shard``, so it holds the original tensors, which the sharded model no longer uses, and
-  training silently does nothing -> a clear error, either from ``attach`` or as an error finding
-  at the first step, whose message names ``fully_shard``. NOTE: no such check exists yet; this
-  test states the behaviour wanted.
+  training silently does nothing -> under policy "raise" a clear error, either from ``attach`` or
+  as an error finding at the first step, whose message names ``fully_shard``;
+* ``fsdp_attach_before_shard``: the sanitizer is attached before ``fully_shard`` too -> under
+  policy "raise" an error at the first step saying to attach after ``fully_shard``. (Under "warn"
+  and "record" neither raises: test_attach_order.py, Note [Attach order].)
 
 DTensor tensor parallelism — ``distribute_module`` with a Megatron-style plan on a 1-D mesh of
 both ranks (fc1 column-parallel: weight and bias Shard(0); fc2 row-parallel: weight Shard(1),
@@ -134,7 +136,7 @@ def _run_fsdp(rank: int, scenario: str) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if scenario == "fsdp_attach_before_shard":
         # ... and the sanitizer is attached before fully_shard too: both watch the originals.
-        san = trainsan.attach(model, opt, policy="record")
+        san = trainsan.attach(model, opt, policy="raise")
         fully_shard(model.fc1)
         fully_shard(model.fc2)
         fully_shard(model)
@@ -153,8 +155,10 @@ def _run_fsdp(rank: int, scenario: str) -> dict:
     fully_shard(model)
     if scenario != "fsdp_optimizer_before_shard":
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # The attach-order errors are policy "raise"'s (under "record" TrainSan goes on).
+    policy = "raise" if scenario == "fsdp_optimizer_before_shard" else "record"
     try:
-        san = trainsan.attach(model, opt, policy="record")
+        san = trainsan.attach(model, opt, policy=policy)
     except Exception as e:  # noqa: BLE001 - a refusal at attach is data for the test
         if scenario != "fsdp_optimizer_before_shard":
             raise
@@ -409,10 +413,9 @@ def test_fsdp_missing_zero_grad_is_stale_grad(results):
 
 
 def test_fsdp_optimizer_built_before_fully_shard(results):
-    """NOTE: the check this test expects does not exist yet (see the module docstring).
-
-    Either ``attach`` refuses the optimizer (any exception whose message names fully_shard) or the
-    first step reports an error-severity finding whose message names fully_shard."""
+    """Policy "raise": either ``attach`` refuses the optimizer (any exception whose message names
+    fully_shard) or the first step reports an error-severity finding whose message names
+    fully_shard."""
     for rank, r in enumerate(_ranks(results, "fsdp_optimizer_before_shard")):
         if r["attach_error"] is not None:
             assert "fully_shard" in r["attach_error"], f"rank {rank}: {r['attach_error']}"
