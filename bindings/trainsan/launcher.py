@@ -5,7 +5,7 @@
     torchrun --nproc-per-node N -m trainsan run [options] script.py [args ...]
 
 The script runs as ``__main__`` (Note [Running the script as __main__]); each optimizer it builds
-gets a sanitizer, paired with the root module that owns its parameters, and a loop without an
+gets a sanitizer, paired with the smallest module that holds its parameters, and a loop without an
 optimizer gets one in manual mode (Note [Launcher pairing]). At exit — normal, an exception,
 SIGTERM or SIGINT — the sanitizers are closed (their traces get the summary record) and their
 summaries printed to stderr (Note [Launcher exit]). The options are :func:`trainsan.attach`'s,
@@ -57,7 +57,7 @@ def _parser() -> tuple[argparse.ArgumentParser, set]:
         prog=PROG,
         usage="%(prog)s [options] (script.py | -m module) [args ...]",
         description="Run an unmodified training script with TrainSan attached to every optimizer "
-        "it builds (paired with the root module that owns its parameters; a loop without an "
+        "it builds (paired with the smallest module that holds its parameters; a loop without an "
         "optimizer gets manual mode). At exit the sanitizers are closed and their summaries "
         "printed to stderr. Under torchrun each rank attaches, traces get .rankN in their name, "
         "and rank 0 prints its summary and a line per other rank.",
@@ -210,8 +210,12 @@ def _become_main(mod: types.ModuleType, argv: list, path0: Optional[str]) -> Non
 # calls (a call on this thread with no other module's forward running: the model, not its layers;
 # a DDP or torch.compile wrapper, not the module inside). They stay installed while something is
 # pending — an optimizer not paired yet, or no sanitizer at all — and are removed once not.
-# * A top-level call with gradients enabled of a module M whose trainable parameters some recorded
-#   optimizers hold attaches trainsan.attach(M, those optimizers), before M's forward runs; the
+# * A top-level call of a module M whose trainable parameters some recorded optimizers hold, with
+#   gradients enabled or in train mode under no_grad (a training forward under no_grad is found
+#   as no_grad_leak at its backward), attaches trainsan.attach(M, those optimizers) when M holds
+#   all of their parameters; otherwise the smallest live module holding them all (an agent whose
+#   heads are called directly: full dotted names), or, where none does, one _Roots model over the
+#   roots holding them (named by the script's variables). Before M's forward runs; the
 #   forward itself is reported to the new sanitizer (its own pre-hook, registered during the
 #   call, is not called for it), so the whole first step is seen, loss included. The newest
 #   optimizer comes first (a parameter held by several is judged by the newest), and an older one
@@ -219,6 +223,9 @@ def _become_main(mod: types.ModuleType, argv: list, path0: Optional[str]) -> Non
 #   for a new phase; Lookahead around its base) and is paired no more.
 # * A top-level call in train mode with gradients enabled, in a script that has built no
 #   optimizer, attaches M in manual mode (trainsan.attach(M)): a loop updating p.data by hand.
+# * Recorded optimizers still unpaired at the script's first backward() are paired there, as
+#   below (a forward that skipped the module hooks), so every optimizer is attached no later than
+#   its first backward or step.
 # * A recorded optimizer that steps unpaired is paired at that step's global pre-hook (so that step
 #   is in flight: attach() sees it on the stack, and the step rules do not judge it). If it holds
 #   parameters of an attached model (the optimizer of a new phase; a model run once before its
@@ -227,8 +234,10 @@ def _become_main(mod: types.ModuleType, argv: list, path0: Optional[str]) -> Non
 #   Not at the model's next call: torch has collected the model's hooks when the global pre-hook
 #   runs, and calls a hook removed then with the wrong arguments. Otherwise (the model was only
 #   called under no_grad, through model.forward(), or compiled in place by model.compile(),
-#   whose calls skip the module hooks) the outermost live module holding most of its parameters
-#   is attached, found through the garbage collector.
+#   whose calls skip the module hooks) the smallest live module holding all of its parameters
+#   (or one _Roots model over the roots holding them) is attached, found through the garbage
+#   collector.
+# At exit, optimizers never attached and optimizer tensors no attached model holds are listed.
 # Each model gets a slot: the first writes --trace PATH, the k-th PATH with .k before the
 # extension (and .rankN before that under torchrun).
 
