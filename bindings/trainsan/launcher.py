@@ -10,6 +10,10 @@ optimizer gets one in manual mode (Note [Launcher pairing]). At exit — normal,
 SIGTERM or SIGINT — the sanitizers are closed (their traces get the summary record) and their
 summaries printed to stderr (Note [Launcher exit]). The options are :func:`trainsan.attach`'s,
 as flags generated from its option table (``--sync``, ``--grad-explosion-factor 20``).
+Processes the script starts to train in — ``torch.multiprocessing.spawn``/``start_processes``,
+``multiprocessing.Process`` (Hogwild) — are checked like torchrun ranks, each with its own
+sanitizers and ``.rankN`` trace; DataLoader workers and other library processes are left alone
+(Note [Launcher children], _children.py).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import trainsan
 
-from . import _compile, _patches
+from . import _children, _compile, _patches
 
 PROG = "python -m trainsan run"
 _ON = {"on": True, "true": True, "1": True, "yes": True,
@@ -60,10 +64,12 @@ def _parser() -> tuple[argparse.ArgumentParser, set]:
         "it builds (paired with the smallest module that holds its parameters; a loop without an "
         "optimizer gets manual mode). At exit the sanitizers are closed and their summaries "
         "printed to stderr. Under torchrun each rank attaches, traces get .rankN in their name, "
-        "and rank 0 prints its summary and a line per other rank.",
+        "and rank 0 prints its summary and a line per other rank; processes the script starts "
+        "itself (torch.multiprocessing.spawn, multiprocessing.Process) are checked as ranks "
+        "the same way, and the launcher prints a line per rank.",
         epilog="Everything after the script (or -m module) is the script's own arguments. "
         "Exit status: the script's; 1 when it raised (with policy raise, at the first error "
-        "finding); 128+N when stopped by signal N.",
+        "finding, also one in a process it started); 128+N when stopped by signal N.",
         allow_abbrev=False,
     )
     parser.add_argument("-m", dest="module", metavar="MODULE",
@@ -82,7 +88,8 @@ def _parser() -> tuple[argparse.ArgumentParser, set]:
                                help=f"{doc} (default: {'on' if default == 'true' else 'off'})")
             continue
         if name == "trace":
-            doc += " (under torchrun each rank writes PATH with .rankN before the extension)"
+            doc += (" (under torchrun, and in processes the script starts, each rank writes PATH "
+                    "with .rankN before the extension)")
         group.add_argument(
             flag, dest=name, default=None,
             metavar=None if choice else "PATH" if name == "trace" else name.upper(),
@@ -687,7 +694,7 @@ def _other_ranks(pairer: Pairer, trace: Optional[str], world: int) -> list:
 
 
 def _finish(pairer: Pairer, status: int, trace: Optional[str], rank: Optional[int],
-            world: int) -> int:
+            world: int, children: Any = None) -> int:
     """Close every sanitizer and print the summaries (Note [Launcher exit]); the exit status."""
     for p in pairer.pairings:
         try:
@@ -702,7 +709,10 @@ def _finish(pairer: Pairer, status: int, trace: Optional[str], rank: Optional[in
     for p in shown:
         print(_describe(p, several), file=sys.stderr)
         print(p.san.summary(), file=sys.stderr)
-    if not shown and not pairer.notes:
+    started = children.closing_lines(bool(shown), _rank_line) if children is not None else []
+    if started and children.stopped:  # a child stopped by policy raise (Note [Launcher children])
+        status = status or 1
+    if not shown and not pairer.notes and not started:
         if pairer._built:
             print(f"trainsan run: nothing was checked: the script built {pairer._built} "
                   f"optimizer(s) ({', '.join(sorted(set(pairer._built_types)))}) but none "
@@ -717,7 +727,53 @@ def _finish(pairer: Pairer, status: int, trace: Optional[str], rank: Optional[in
     if world > 1:
         for line in _other_ranks(pairer, trace, world):
             print(line, file=sys.stderr)
+    for line in started:  # processes the script started (Note [Launcher children])
+        print(line, file=sys.stderr)
     return status
+
+
+# -- processes the script starts -----------------------------------------------------------------
+
+class _ChildPairer(Pairer):
+    """The Pairer of a process the script started: its rank is torch.distributed's once the
+    process has joined a group (read when a trace is named), else the process index."""
+
+    @property
+    def _rank(self) -> int:
+        if self._dist_rank is None:
+            self._dist_rank = _children.dist_rank()
+        return self._index if self._dist_rank is None else self._dist_rank
+
+    @_rank.setter
+    def _rank(self, index: int) -> None:  # Pairer.__init__'s
+        self._index = index
+        self._dist_rank: Optional[int] = None
+
+
+def _run_child(config: dict, index: int, call: Any) -> Any:
+    """call() in a process the script started, checked as rank `index` (Note [Launcher
+    children]): the launcher's run and exit, for one rank."""
+    _children.forget_inherited()
+    trace = config["trace"]
+    pairer = _ChildPairer(trace, index, **config["attach"])
+    signals = _Signals()
+    pairer.install()
+    failed = True
+    try:
+        result = call()
+        failed = False
+        return result
+    except trainsan.TrainingBugError as exc:  # the launcher (the parent) says so and exits 1
+        _children.stopped(config, pairer._rank, exc.finding.kind, exc.finding.step)
+        raise
+    finally:
+        signals.closing()
+        pairer.uninstall()
+        status = _finish(pairer, 0, trace, pairer._rank, 1)  # the parent prints the ranks' lines
+        sys.stderr.flush()
+        signals.restore()
+        if not failed and (status or signals.held):
+            raise SystemExit(128 + signals.held[0] if signals.held else status)
 
 
 def _exit_status(exc: SystemExit) -> int:
@@ -760,6 +816,11 @@ def main(argv: list) -> int:
     signals = _Signals()
     status = 0
     pairer.install()
+    children = None
+    if world == 1:  # the processes the script starts are checked too (Note [Launcher children])
+        children = _children.Children(pairer, signals, _run_child, trace,
+                                      dict(policy=args.policy, checks=checks, **options))
+        children.install()
     try:
         exec(code, mod.__dict__)
     except SystemExit as exc:
@@ -779,7 +840,9 @@ def main(argv: list) -> int:
     finally:
         signals.closing()
         pairer.uninstall()
-    status = _finish(pairer, status, trace, rank, world)
+        if children is not None:
+            children.uninstall()
+    status = _finish(pairer, status, trace, rank, world, children)
     sys.stdout.flush()
     sys.stderr.flush()
     signals.restore()

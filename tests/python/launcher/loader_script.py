@@ -3,7 +3,7 @@
 function are defined here, so the workers (spawned: they re-import this file as __mp_main__) and
 the parent exchange objects of this module.
 
-    python loader_script.py [--epochs N] [--workers N] [--bug nan_sample]
+    python loader_script.py [--epochs N] [--workers N] [--context fork] [--bug nan_sample]
 
 --bug nan_sample: one sample of the dataset holds NaN features (TrainSan: nonfinite_loss).
 """
@@ -48,13 +48,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--context", choices=["spawn", "fork"], default="spawn",
+                        help="the workers' start method")
     parser.add_argument("--bug", choices=["nan_sample"])
     args = parser.parse_args()
 
     torch.manual_seed(0)
     data = Blobs(256, bad=100 if args.bug == "nan_sample" else -1)
     loader = DataLoader(data, batch_size=32, shuffle=False, collate_fn=collate,
-                        num_workers=args.workers, multiprocessing_context="spawn",
+                        num_workers=args.workers, multiprocessing_context=args.context,
                         persistent_workers=args.workers > 0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
