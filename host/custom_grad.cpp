@@ -81,11 +81,29 @@ double directional_eps(const at::Tensor& x, bool low_precision) {
   return (low_precision ? 1e-3 : 1e-6) * (1.0 + xmax);
 }
 
+std::vector<at::Tensor> surrogate_masks(const at::Tensor& x_plus, const at::Tensor& x_minus,
+                                        const std::vector<at::Tensor>& yp,
+                                        const std::vector<at::Tensor>& ym) {
+  TORCH_CHECK_VALUE(yp.size() == ym.size(), "surrogate_masks: yp and ym differ in length (",
+                    yp.size(), ", ", ym.size(), ")");
+  const at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  for (size_t o = 0; o < yp.size(); ++o) {
+    const bool identity = yp[o].sizes() == x_plus.sizes() && ym[o].sizes() == x_minus.sizes() &&
+                          yp[o].scalar_type() == x_plus.scalar_type() && at::equal(yp[o], x_plus) &&
+                          at::equal(ym[o], x_minus);
+    out.push_back(identity ? at::ones_like(yp[o], at::TensorOptions().dtype(at::kBool))
+                           : at::eq(yp[o], ym[o]));
+  }
+  return out;
+}
+
 CustomGradResult directional_figures(const std::vector<at::Tensor>& u, const at::Tensor& v,
                                      const std::vector<at::Tensor>& y0,
                                      const std::vector<at::Tensor>& yp,
                                      const std::vector<at::Tensor>& ym, const at::Tensor& grad,
-                                     double eps) {
+                                     double eps, const std::vector<at::Tensor>& u_surrogate,
+                                     const at::Tensor& grad_surrogate) {
   TORCH_CHECK_VALUE(u.size() == y0.size() && yp.size() == y0.size() && ym.size() == y0.size(),
                     "directional_figures: u, y0, yp and ym differ in length (", u.size(), ", ",
                     y0.size(), ", ", yp.size(), ", ", ym.size(), ")");
@@ -111,6 +129,22 @@ CustomGradResult directional_figures(const std::vector<at::Tensor>& u, const at:
   }
   r.analytic = grad.defined() ? value((grad.to(at::kDouble) * v).sum()) : 0.0;
   r.unit = std::pow(u_norm2, 0.5) * value(v.norm());  // pow, as Python's ** 0.5
+  if (!u_surrogate.empty()) {
+    TORCH_CHECK_VALUE(u_surrogate.size() == y0.size(),
+                      "directional_figures: u_surrogate and y0 differ in length (",
+                      u_surrogate.size(), ", ", y0.size(), ")");
+    double w_norm2 = 0.0;
+    for (size_t o = 0; o < u_surrogate.size(); ++o) {
+      const at::Tensor w64 = u_surrogate[o].to(at::kDouble);
+      const double n = value(w64.norm());
+      w_norm2 += n * n;
+      r.surrogate_central +=
+          value((w64 * (yp[o].to(at::kDouble) - ym[o].to(at::kDouble))).sum()) / (2 * eps);
+    }
+    r.surrogate_analytic =
+        grad_surrogate.defined() ? value((grad_surrogate.to(at::kDouble) * v).sum()) : 0.0;
+    r.surrogate_unit = std::pow(w_norm2, 0.5) * value(v.norm());
+  }
   return r;
 }
 
@@ -169,8 +203,9 @@ std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const
       us.push_back(
           at::randn(o.sizes(), gen, at::TensorOptions().dtype(o.scalar_type())).to(o.device()));
     }
-    std::vector<at::Tensor> grads =
-        torch::autograd::grad(douts, leaves, us, /*retain_graph=*/std::nullopt,
+    // The graph is kept for the backwards of the judged and surrogate parts (below).
+    const std::vector<at::Tensor> grads =
+        torch::autograd::grad(douts, leaves, us, /*retain_graph=*/true,
                               /*create_graph=*/false, /*allow_unused=*/true);
     const at::NoGradGuard no_grad;
     const std::vector<at::Tensor> y0 = kept(run(base, false), keep);
@@ -194,7 +229,25 @@ std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const
       minus[k] = x - eps * v;
       const std::vector<at::Tensor> yp = kept(run(plus, false), keep);
       const std::vector<at::Tensor> ym = kept(run(minus, false), keep);
-      CustomGradResult r = directional_figures(us, v, y0, yp, ym, grads[i], eps);
+      // Note [Surrogate gradients]: the flat and identity elements are judged apart.
+      const std::vector<at::Tensor> masks = surrogate_masks(plus[k], minus[k], yp, ym);
+      bool any = false;
+      for (const at::Tensor& m : masks) any = any || m.any().item<bool>();
+      CustomGradResult r;
+      if (!any) {
+        r = directional_figures(us, v, y0, yp, ym, grads[i], eps);
+      } else {
+        std::vector<at::Tensor> judged, surrogate;
+        for (size_t j = 0; j < us.size(); ++j) {
+          judged.push_back(us[j].masked_fill(masks[j], 0));
+          surrogate.push_back(us[j].masked_fill(masks[j].logical_not(), 0));
+        }
+        const auto one = [&](const std::vector<at::Tensor>& w) {
+          return torch::autograd::grad(douts, {leaves[i]}, w, /*retain_graph=*/true,
+                                       /*create_graph=*/false, /*allow_unused=*/true)[0];
+        };
+        r = directional_figures(judged, v, y0, yp, ym, one(judged), eps, surrogate, one(surrogate));
+      }
       r.function = name;
       r.input_index = static_cast<int64_t>(k);
       results.push_back(std::move(r));
@@ -217,7 +270,10 @@ std::vector<Finding> check_custom_grad(const std::string& name, const TensorFunc
 
 void Sanitizer::check_custom_grad(const std::string& name, const TensorFunction& fn,
                                   const std::vector<at::Tensor>& inputs) {
-  if (!gradcheck_step()) return;
+  // Its first call (by name), then on the gradcheck_every steps.
+  const bool first = impl_->custom_grad_checked.count(name) == 0;
+  if (!custom_grad_due(first)) return;
+  impl_->custom_grad_checked.insert(name);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<CustomGradResult> results;
   {
@@ -225,7 +281,8 @@ void Sanitizer::check_custom_grad(const std::string& name, const TensorFunction&
     results = measure_custom_grad(name, fn, inputs);
   }
   impl_->add_overhead(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  for (const CustomGradResult& r : results) impl_->checks.autograd.on_custom_grad(r, impl_->step);
+  impl_->events_seen.insert("bad_custom_grad");
+  impl_->checks.autograd.on_custom_grads(results, impl_->step);
   report();
 }
 

@@ -206,8 +206,12 @@ void Sanitizer::saved_tensor_changed(const SavedTensorChange& change) {
 }
 
 void Sanitizer::custom_grad_result(const CustomGradResult& result) {
+  custom_grad_results({result});
+}
+
+void Sanitizer::custom_grad_results(const std::vector<CustomGradResult>& results) {
   impl_->events_seen.insert("bad_custom_grad");
-  if (!impl_->closed) impl_->checks.autograd.on_custom_grad(result, impl_->step);
+  if (!impl_->closed) impl_->checks.autograd.on_custom_grads(results, impl_->step);
   report();
 }
 
@@ -280,9 +284,11 @@ void Sanitizer::trace_record(const std::string& json_object) {
   if (!impl_->closed) impl_->trace.line(json_object);
 }
 
-bool Sanitizer::gradcheck_step() const {
+bool Sanitizer::gradcheck_step() const { return custom_grad_due(false); }
+
+bool Sanitizer::custom_grad_due(bool first_use) const {
   return !impl_->closed && !impl_->grads.in_step() && impl_->opts.enabled("bad_custom_grad") &&
-         impl_->checks.autograd.gradcheck_sampled(impl_->step);
+         (first_use || impl_->checks.autograd.gradcheck_sampled(impl_->step));
 }
 
 void Sanitizer::add_overhead(double seconds) { impl_->add_overhead(seconds); }

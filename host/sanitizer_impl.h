@@ -150,6 +150,8 @@ struct SanitizerImpl {
   // The kinds of kinds.def whose `event` arrived at least once (coverage: an event kind that
   // never had its event is unchecked, for a caller that does not gather them itself).
   std::set<std::string> events_seen;
+  // Custom functions check_custom_grad has measured (bad_custom_grad: each at its first call).
+  std::set<std::string> custom_grad_checked;
   // trainsan::attach: begin_step()'s inputs, for the forward the watch sees next.
   std::vector<at::Tensor> pending_inputs;
 

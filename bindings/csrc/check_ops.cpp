@@ -68,9 +68,12 @@ std::optional<trainsan::FactsDict> compare_reruns_op(const Fingerprints& step,
 trainsan::FactsDict directional_figures_op(std::vector<at::Tensor> u, const at::Tensor& v,
                                            std::vector<at::Tensor> y0, std::vector<at::Tensor> yp,
                                            std::vector<at::Tensor> ym,
-                                           const std::optional<at::Tensor>& grad, double eps) {
+                                           const std::optional<at::Tensor>& grad, double eps,
+                                           std::vector<at::Tensor> u_surrogate,
+                                           const std::optional<at::Tensor>& grad_surrogate) {
   return trainsan::facts_to_dict(
-      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps));
+      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps, u_surrogate,
+                                    grad_surrogate.value_or(at::Tensor())));
 }
 
 // The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
@@ -134,8 +137,12 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
         [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
   m.def(
       "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
-      "Tensor? grad, float eps) -> Dict(str, Any)",
+      "Tensor? grad, float eps, Tensor[] u_surrogate=[], Tensor? grad_surrogate=None) -> "
+      "Dict(str, Any)",
       &directional_figures_op);
+  m.def("surrogate_masks(Tensor x_plus, Tensor x_minus, Tensor[] yp, Tensor[] ym) -> Tensor[]",
+        [](const at::Tensor& xp, const at::Tensor& xm, std::vector<at::Tensor> yp,
+           std::vector<at::Tensor> ym) { return trainsan::surrogate_masks(xp, xm, yp, ym); });
   m.def("judge_replica_payload", &judge_replica_payload_op);
   m.def("replica_labels(int[] values) -> int[]",
         [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });

@@ -300,6 +300,15 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->custom_grad_result(facts_from_dict<trainsan::CustomGradResult>(facts));
              return h->take();
            })
+      .def("custom_grad_results",
+           [](const H& h, std::vector<FactsDict> facts) {
+             std::vector<trainsan::CustomGradResult> results;
+             for (const FactsDict& f : facts) {
+               results.push_back(facts_from_dict<trainsan::CustomGradResult>(f));
+             }
+             h->san->custom_grad_results(results);
+             return h->take();
+           })
       .def("compare_replicas", [](const H& h) { h->san->compare_replicas(); })
       .def("take_fingerprints",
            [](const H& h, bool wait_all) {
@@ -327,6 +336,8 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })
       .def("gradcheck_step", [](const H& h) { return h->san->gradcheck_step(); })
+      .def("custom_grad_due",
+           [](const H& h, bool first_use) { return h->san->custom_grad_due(first_use); })
       .def("add_overhead", [](const H& h, double s) { h->san->add_overhead(s); })
       .def("close",
            [](const H& h) {

@@ -133,8 +133,8 @@ class SavedTensors(Gatherer):
 
 
 class CustomGrads(Gatherer):
-    """bad_custom_grad (autograd_checks.CustomGradCheck): armed on the sampled steps, from the
-    training forward until the step."""
+    """bad_custom_grad (autograd_checks.CustomGradCheck): armed from the training forward until
+    the step (first uses), re-checking on the gradcheck_every steps."""
 
     def __init__(self, check, handle) -> None:
         self._check = check
@@ -142,7 +142,8 @@ class CustomGrads(Gatherer):
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
         if train:
-            self._check.begin(self._handle.gradcheck_step(), self._handle.step())
+            self._check.begin(self._handle.custom_grad_due(True), self._handle.gradcheck_step(),
+                              self._handle.step())
 
     def before_step(self, k: int) -> None:
         self._check.end()

@@ -13,11 +13,13 @@ gathers facts on sampled steps and hands them to the sanitizer's handle.
   it. Saved-tensor hooks switch off autograd's own version check for the tensors they see, so
   unpack performs it, with autograd's message.
 * :class:`CustomGradCheck` wraps ``torch.autograd.Function.apply`` while some sanitizer has
-  ``gradcheck_every`` > 0; on sampled steps the first application of each custom Function (not
-  torch's own) is re-run in float64 on copies of its inputs: its backward's uᵀJv against central
-  differences along a random direction, per differentiable input (Note [Directional gradcheck]).
-  The user's RNG state is kept (``fork_rng``) and every evaluation is seeded alike, so a
-  stochastic Function (a custom dropout) is evaluated with one random draw.
+  bad_custom_grad on; the first application of each custom Function (not torch's own) in a
+  training window, and its first on each gradcheck_every step, is re-run in float64 on small
+  copies of its inputs (Note [First-use gradcheck inputs]): its backward's uᵀJv against central
+  differences along a random direction, per differentiable input (Note [Directional gradcheck]),
+  deliberate surrogate gradients told apart (Note [Surrogate gradients], both in
+  host/checks/autograd.cpp). The user's RNG state is kept (``fork_rng``) and every evaluation is
+  seeded alike, so a stochastic Function (a custom dropout) is evaluated with one random draw.
 """
 
 from __future__ import annotations
@@ -77,14 +79,15 @@ def _node_name() -> str:
 
 
 class _Saved:
-    __slots__ = ("alias", "version", "before", "changed", "name")
+    __slots__ = ("alias", "version", "before", "changed", "name", "shared")
 
-    def __init__(self, alias, version, before, name):
+    def __init__(self, alias, version, before, name, shared=False):
         self.alias = alias
         self.version = version
         self.before = before  # the fingerprint's bits, int64 [2], or None: not fingerprinted
         self.changed: Optional[bool] = None  # set by the batched pass at backward start
         self.name = name
+        self.shared = shared  # a parameter in CPU shared memory (Note [Shared-memory parameters])
 
 
 class SavedTensorCheck:
@@ -167,7 +170,9 @@ class SavedTensorCheck:
             name = self._names.get(id(base))
             if name is not None:
                 name = (name, list(base.shape))  # a view of a parameter (weight.t()): its shape
-        rec = _Saved(alias, version, before, name)
+        # Other processes may write a shared-memory parameter (Hogwild): host/checks/autograd.cpp
+        shared = name is not None and alias.device.type == "cpu" and alias.is_shared()
+        rec = _Saved(alias, version, before, name, shared)
         if before is not None:
             self._pending.append(rec)
         self._add_time(time.perf_counter() - t0)
@@ -224,7 +229,7 @@ class SavedTensorCheck:
             dtype = str(a.dtype).replace("torch.", "")
             self._apply(self._handle.saved_tensor_changed(_native.facts(
                 "SavedTensorChange", node=_node_name(), tensor=name or "", sizes=shape,
-                dtype=dtype)))
+                dtype=dtype, shared_memory=rec.shared)))
         return a
 
 
@@ -234,26 +239,48 @@ class SavedTensorCheck:
 
 _fn_users: list = []  # the CustomGradChecks of the open sanitizers
 
+# Note [First-use gradcheck inputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A custom Function is checked on float64 copies of its arguments, made before its forward runs
+# (a forward may write its inputs: mark_dirty), never on the real tensors. Two candidates, tried
+# in turn until one runs:
+#   * small: the first _ROWS rows of every tensor argument whose first dimension is the batch's
+#     (that of the first tensor argument with a dimension), the other tensors whole, all copied to
+#     the CPU. Slicing keeps forward and backward consistent with each other (both see the same
+#     sliced inputs); where it does not fit the Function (a reshape to the batch size, indices
+#     into the sliced rows) the forward raises on the CPU (an IndexError there, not a device-side
+#     assert that would end the process) and the next candidate is tried;
+#   * full: copies of every argument on its own device, when they hold at most _FULL_LIMIT
+#     elements.
+# The check runs with TrainSan's op audit paused, the user's RNG state kept (CPU and the CUDA
+# devices of the arguments) and every evaluation seeded alike; it uses autograd.grad on its own
+# leaves, so no .grad, parameter or gradient of the training is touched. What it cannot put back
+# is state the Function keeps outside its tensor arguments (a counter on the class, a module it
+# reaches through a non-tensor argument and updates in its forward).
+_ROWS = 2
+_FULL_LIMIT = 1 << 22
+
 
 def _function_apply() -> list:
     orig_fn = torch.autograd.Function.__dict__["apply"].__func__  # a classmethod
 
     def apply(cls, *args, **kwargs):
+        if not _fn_users or _state["in_gradcheck"] or not torch.is_grad_enabled():
+            return orig_fn(cls, *args, **kwargs)
         users = [c for c in _fn_users if c.wants(cls)]
         if (
             not users
-            or _state["in_gradcheck"]
-            or not torch.is_grad_enabled()
             or torch.compiler.is_compiling()  # traced: Note [Compiled regions] in _compile.py
+            or _capturing()
         ):
             return orig_fn(cls, *args, **kwargs)
-        copies = _copies(args)
+        inputs = _inputs(args)
         out = orig_fn(cls, *args, **kwargs)
-        if copies is not None:
+        for c in users:
+            c.mark(cls)
+        if inputs is not None:
             t0 = time.perf_counter()
-            for c in users:
-                c.seen.add(cls)
-            results = _directional_check(orig_fn, cls, copies, kwargs)
+            results = _check_function(orig_fn, cls, inputs, kwargs, users[0]._handle)
             for c in users:
                 c._add_time(time.perf_counter() - t0)
             for c in users:
@@ -278,9 +305,16 @@ def _unpatch_function_apply(checker: "CustomGradCheck") -> None:
         _fn_patch.release()
 
 
-def _copies(args) -> Optional[list]:
-    """float64 copies of the floating tensor arguments (clones of the others), with the
-    positions of the differentiable ones; None when nothing is differentiable."""
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _inputs(args) -> Optional[tuple]:
+    """(candidates, differentiable positions, CUDA devices) for the check (Note [First-use
+    gradcheck inputs]); None when nothing is differentiable or an argument cannot be copied."""
     diff = [
         k
         for k, a in enumerate(args)
@@ -288,18 +322,38 @@ def _copies(args) -> Optional[list]:
     ]
     if not diff:
         return None
-    out = []
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for a in tensors:
+        if a.is_complex() or a.layout != torch.strided or type(a) not in (
+            torch.Tensor,
+            torch.nn.Parameter,
+        ):
+            return None
+    devices = sorted({a.device.index or 0 for a in tensors if a.is_cuda})
+    batch = next((a.shape[0] for a in tensors if a.dim() >= 1), 0)
+
+    def copy(a: torch.Tensor, device, rows: bool) -> torch.Tensor:
+        a = a.detach()
+        if rows:
+            a = a[:_ROWS]
+        dtype = torch.float64 if a.is_floating_point() else a.dtype
+        return a.to(device=device, dtype=dtype, copy=True)
+
+    candidates = []
     with torch.no_grad():
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                plain = type(a) in (torch.Tensor, torch.nn.Parameter)
-                if a.is_complex() or a.layout != torch.strided or not plain:
-                    return None
-                a = a.detach()
-                out.append(a.to(torch.float64, copy=True) if a.is_floating_point() else a.clone())
-            else:
-                out.append(a)
-    return [out, diff]
+        if batch > _ROWS:
+            candidates.append([
+                copy(a, "cpu", a.dim() >= 1 and a.shape[0] == batch)
+                if isinstance(a, torch.Tensor) else a
+                for a in args
+            ])
+        if sum(a.numel() for a in tensors) <= _FULL_LIMIT:
+            candidates.append([
+                copy(a, a.device, False) if isinstance(a, torch.Tensor) else a for a in args
+            ])
+    if not candidates:
+        return None
+    return candidates, diff, devices
 
 
 def _float_outputs(out) -> list:
@@ -310,93 +364,134 @@ def _float_outputs(out) -> list:
     return []
 
 
-def _directional_check(orig_fn, cls, copies, kwargs) -> list:
-    """Per differentiable input: CustomGradResult by name (autograd_facts.h), but its function. The
-    evaluations are Python's (the Function is a Python object); ε and the figures come from the
-    C++ measurement's own directional_eps/directional_figures (host/custom_grad.cpp), which
-    trainsan::check_custom_grad runs for LibTorch functions."""
-    base, diff = copies
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    seed = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    devices = sorted(
-        {a.device.index or 0 for a in base if isinstance(a, torch.Tensor) and a.is_cuda}
-    )
-    gen = torch.Generator().manual_seed(seed)
+def _check_function(orig_fn, cls, inputs, kwargs, handle) -> list:
+    """The directional check on the first candidate of `inputs` that runs; [] when none does."""
+    candidates, diff, devices = inputs
     _state["in_gradcheck"] = True
-    results = []
+    handle.pause_audit(True)
     try:
         with torch.random.fork_rng(devices=devices):
-
-            torch.manual_seed(seed)
-            cpu_state = torch.get_rng_state()
-            cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-
-            def run(xs, grad: bool):
-                # One random draw for every evaluation: the same generator states each time.
-                torch.set_rng_state(cpu_state)
-                for d, st in zip(devices, cuda_states):
-                    torch.cuda.set_rng_state(st, d)
-                with torch.set_grad_enabled(grad):
-                    return _float_outputs(orig_fn(cls, *xs, **kwargs))
-
-            leaves = {k: base[k].clone().requires_grad_() for k in diff}
-            xs = [leaves[k].clone() if k in leaves else a for k, a in enumerate(base)]
-            outs = run(xs, True)
-            keep = [j for j, o in enumerate(outs) if o.requires_grad and o.is_floating_point()]
-            if not keep:
-                return []
-            douts = [outs[j] for j in keep]
-            us = [torch.randn(o.shape, dtype=o.dtype, generator=gen).to(o.device) for o in douts]
-            grads = torch.autograd.grad(
-                douts, [leaves[k] for k in diff], us, allow_unused=True, materialize_grads=True
-            )
-            with torch.no_grad():
-                y0 = run(base, False)
-                y0 = [y0[j] for j in keep]
-                for a, b in zip(y0, douts):
-                    if a.shape != b.shape or not torch.equal(a, b.detach()):
-                        return []  # not deterministic under one seed: nothing to compare
-                low = any(o.dtype != torch.float64 for o in y0)
-                us = [u.to(o.dtype) for u, o in zip(us, y0)]
-                for i, k in enumerate(diff):
-                    x = base[k]
-                    v = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
-                    eps = _ops.directional_eps(x, low)
-                    plus = list(base)
-                    plus[k] = x + eps * v
-                    minus = list(base)
-                    minus[k] = x - eps * v
-                    yp, ym = run(plus, False), run(minus, False)
-                    yp, ym = [yp[j] for j in keep], [ym[j] for j in keep]
-                    # CustomGradResult's figures by name
-                    figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps)
-                    results.append(dict(figures, input_index=k))
+            for base in candidates:
+                try:
+                    return _directional_check(orig_fn, cls, base, diff, kwargs, devices)
+                except Exception:
+                    continue  # cannot run on these copies: the next candidate
     except Exception:
-        return []  # a Function that cannot run in float64 or on copies: not checked
+        pass
     finally:
+        handle.pause_audit(False)
         _state["in_gradcheck"] = False
+    return []
+
+
+def _directional_check(orig_fn, cls, base, diff, kwargs, devices) -> list:
+    """Per differentiable input: CustomGradResult by name (autograd_facts.h), but its function. The
+    evaluations are Python's (the Function is a Python object); ε, the surrogate masks and the
+    figures come from the C++ measurement's own directional_eps, surrogate_masks and
+    directional_figures (host/custom_grad.cpp), which trainsan::check_custom_grad runs for LibTorch
+    functions. Raises when the Function cannot run on these copies."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    seed = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    gen = torch.Generator().manual_seed(seed)
+    # Only the generators fork_rng restores (torch.manual_seed would reseed every CUDA device).
+    torch.random.default_generator.manual_seed(seed)
+    for d in devices:
+        torch.cuda.default_generators[d].manual_seed(seed)
+    cpu_state = torch.get_rng_state()
+    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+
+    def run(xs, grad: bool):
+        # One random draw for every evaluation: the same generator states each time.
+        torch.set_rng_state(cpu_state)
+        for d, st in zip(devices, cuda_states):
+            torch.cuda.set_rng_state(st, d)
+        with torch.set_grad_enabled(grad):
+            return _float_outputs(orig_fn(cls, *xs, **kwargs))
+
+    leaves = {k: base[k].clone().requires_grad_() for k in diff}
+    xs = [leaves[k].clone() if k in leaves else a for k, a in enumerate(base)]
+    outs = run(xs, True)
+    keep = [j for j, o in enumerate(outs) if o.requires_grad and o.is_floating_point()]
+    if not keep:
+        return []
+    douts = [outs[j] for j in keep]
+    us = [torch.randn(o.shape, dtype=o.dtype, generator=gen).to(o.device) for o in douts]
+    # The graph is kept for the backwards of the judged and surrogate parts (below).
+    grads = torch.autograd.grad(
+        douts, [leaves[k] for k in diff], us, retain_graph=True, allow_unused=True,
+        materialize_grads=True,
+    )
+
+    def backward(k: int, w: list) -> torch.Tensor:
+        return torch.autograd.grad(
+            douts, [leaves[k]], w, retain_graph=True, allow_unused=True, materialize_grads=True
+        )[0]
+
+    results = []
+    with torch.no_grad():
+        y0 = run(base, False)
+        y0 = [y0[j] for j in keep]
+        for a, b in zip(y0, douts):
+            if a.shape != b.shape or not torch.equal(a, b.detach()):
+                return []  # not deterministic under one seed: nothing to compare
+        low = any(o.dtype != torch.float64 for o in y0)
+        us = [u.to(o.dtype) for u, o in zip(us, y0)]
+        for i, k in enumerate(diff):
+            x = base[k]
+            v = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
+            eps = _ops.directional_eps(x, low)
+            plus = list(base)
+            plus[k] = x + eps * v
+            minus = list(base)
+            minus[k] = x - eps * v
+            yp, ym = run(plus, False), run(minus, False)
+            yp, ym = [yp[j] for j in keep], [ym[j] for j in keep]
+            # Note [Surrogate gradients] (host/checks/autograd.cpp): judged apart
+            masks = _ops.surrogate_masks(plus[k], minus[k], yp, ym)
+            if any(bool(m.any()) for m in masks):
+                judged = [u.masked_fill(m, 0) for u, m in zip(us, masks)]
+                rest = [u.masked_fill(~m, 0) for u, m in zip(us, masks)]
+                figures = _ops.directional_figures(
+                    judged, v, y0, yp, ym, backward(k, judged), eps, rest, backward(k, rest)
+                )
+            else:
+                # CustomGradResult's figures by name
+                figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps)
+            results.append(dict(figures, input_index=k))
     return results
 
 
 class CustomGradCheck:
-    """bad_custom_grad: checks custom Functions applied during sampled steps."""
+    """bad_custom_grad: checks each custom Function at its first application in a training window
+    (forward pre-hook to optimizer step), then at its first application on each gradcheck_every
+    step. `distributed`: also when torch.distributed runs with several processes (a Function's
+    forward may issue collectives, which a check in one process alone would leave hanging; off
+    unless gradcheck_every was asked for)."""
 
-    def __init__(self, handle, apply: Callable, add_time: Callable):
+    def __init__(self, handle, apply: Callable, add_time: Callable, distributed: bool = False):
         self._handle = handle
         self._apply = apply
         self._add_time = add_time
+        self._distributed = distributed
         self.armed = False
-        self.seen: set = set()
+        self._ready = False  # bad_custom_grad due at first uses (sanitizer open, not in a step)
+        self._sampled = False  # this step re-checks every Function
+        self.checked: set = set()  # Functions checked at their first use
+        self.seen: set = set()  # Functions checked on this step
         self._step = -1
         self.functions_checked = 0
         _patch_function_apply(self)
 
-    def begin(self, armed: bool, step: int) -> None:
-        """A training forward (forward pre-hook): armed on the steps the sanitizer samples."""
+    def begin(self, ready: bool, sampled: bool, step: int) -> None:
+        """A training forward (forward pre-hook)."""
         if step != self._step:
             self.seen = set()
             self._step = step
-        self.armed = armed
+        if ready and not self._distributed and _multi_process():
+            ready = False
+        self._ready = ready
+        self._sampled = sampled and ready
+        self.armed = ready
 
     def end(self) -> None:
         self.armed = False
@@ -404,19 +499,30 @@ class CustomGradCheck:
     def wants(self, cls) -> bool:
         return (
             self.armed
-            and cls not in self.seen
+            and (cls not in self.checked or (self._sampled and cls not in self.seen))
             and not cls.__module__.startswith("torch.")
             and getattr(cls, "trainsan_gradcheck", True)
         )
 
+    def mark(self, cls) -> None:
+        self.checked.add(cls)
+        self.seen.add(cls)
+
     def report(self, cls, results: list) -> None:
         name = f"{cls.__module__}.{cls.__qualname__}"
         self.functions_checked += 1
-        found: list = []
-        for r in results:
-            found += self._handle.custom_grad_result(_native.fields(dict(r, function=name)))
-        self._apply(found)
+        if results:
+            self._apply(self._handle.custom_grad_results(
+                [_native.fields(dict(r, function=name)) for r in results]))
 
     def close(self) -> None:
         self.armed = False
         _unpatch_function_apply(self)
+
+
+def _multi_process() -> bool:
+    try:
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except Exception:
+        return False

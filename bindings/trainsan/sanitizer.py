@@ -242,7 +242,7 @@ class Sanitizer:
         self._parts.append(Held(_scaler_patch))
         self._parts.append(Held(_loader_patch))
         # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
-        # custom-Function gradcheck (opt-in, gradcheck_every).
+        # custom-Function gradcheck (each Function at its first use, then every gradcheck_every).
         if enabled("inplace_before_backward", checks):
             self._parts.append(SavedTensors(SavedTensorCheck(
                 handle,
@@ -251,10 +251,11 @@ class Sanitizer:
                 _weak_method(self._apply),
                 _weak_method(self._add_py),
             ), handle))
-        if (enabled("bad_custom_grad", checks)
-                and int(options.get("gradcheck_every", OPTIONS["gradcheck_every"])) > 0):
+        if enabled("bad_custom_grad", checks):
+            # Under several processes only when gradcheck_every was asked for (CustomGradCheck).
             self._parts.append(CustomGrads(CustomGradCheck(
-                handle, _weak_method(self._apply), _weak_method(self._add_py)), handle))
+                handle, _weak_method(self._apply), _weak_method(self._add_py),
+                distributed="gradcheck_every" in options), handle))
         self._param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
         self._opt_index = list(opt_index)

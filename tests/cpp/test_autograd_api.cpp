@@ -171,7 +171,7 @@ TEST(MeasureCustomGrad, NothingToMeasure) {
                c10::ValueError);
 }
 
-TEST(SanitizerCheckCustomGrad, OnlyOnSampledStepsThroughThePolicy) {
+TEST(SanitizerCheckCustomGrad, AtItsFirstCallThenOnSampledStepsThroughThePolicy) {
   auto run = [](int64_t every, int steps) {
     torch::manual_seed(0);
     at::Tensor w = torch::randn({4}).requires_grad_();
@@ -196,13 +196,60 @@ TEST(SanitizerCheckCustomGrad, OnlyOnSampledStepsThroughThePolicy) {
     }
     return out;
   };
-  EXPECT_TRUE(run(0, 3).empty());  // off by default
-  const auto fs = run(4, 5);       // steps 0 and 4
+  const auto once = run(0, 3);  // its first call only
+  ASSERT_EQ(once.size(), 1u);
+  EXPECT_EQ(once[0].step, 0);
+  EXPECT_EQ(once[0].count, 1);
+  const auto fs = run(4, 5);  // steps 0 and 4
   ASSERT_EQ(fs.size(), 1u);
   EXPECT_EQ(fs[0].tensor, "DoubledExp:input 0");
   EXPECT_EQ(fs[0].step, 0);
   EXPECT_EQ(fs[0].count, 2);
   EXPECT_EQ(fs[0].last_step, 4);
+}
+
+// A straight-through round and a gradient reversal: deliberate surrogates (Note [Surrogate
+// gradients]), silent; a ReLU whose backward doubles is found on its positive side.
+struct RoundSTE : public torch::autograd::Function<RoundSTE> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.round();
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*,
+                                               torch::autograd::tensor_list g) {
+    return {g[0]};
+  }
+};
+
+struct GradReverse : public torch::autograd::Function<GradReverse> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.view_as(x);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*,
+                                               torch::autograd::tensor_list g) {
+    return {-0.5 * g[0]};
+  }
+};
+
+struct DoubledReLU : public torch::autograd::Function<DoubledReLU> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    ctx->save_for_backward({x});
+    return x.clamp_min(0);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list g) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    return {2 * g[0] * (x > 0).to(g[0].scalar_type())};
+  }
+};
+
+TEST(CheckCustomGrad, SurrogateGradientsAreSilentAndAReluSlipIsFound) {
+  torch::manual_seed(0);
+  const at::Tensor x = (3 * torch::randn({6, 5})).requires_grad_();
+  EXPECT_TRUE(trainsan::check_custom_grad("RoundSTE", unary<RoundSTE>(), {x}).empty());
+  EXPECT_TRUE(trainsan::check_custom_grad("GradReverse", unary<GradReverse>(), {x}).empty());
+  const auto fs = trainsan::check_custom_grad("DoubledReLU", unary<DoubledReLU>(), {x});
+  ASSERT_EQ(fs.size(), 1u);
+  EXPECT_NE(fs[0].message.find("(2x)"), std::string::npos) << fs[0].message;
 }
 
 // --- Sanitizer::rerun ---------------------------------------------------------------------------

@@ -45,11 +45,15 @@ TEST(AutogradCheck, InplaceSamplingFollowsTheAuditSchedule) {
   EXPECT_TRUE(c.inplace_sampled(1));
 }
 
-TEST(AutogradCheck, GradcheckIsOffByDefaultAndEveryNth) {
+TEST(AutogradCheck, GradcheckIsRepeatedEveryNthStep) {
   FakeSink sink;
   Options o;
   AutogradCheck c(sink, o);
-  EXPECT_EQ(o.gradcheck_every, 0);
+  EXPECT_EQ(o.gradcheck_every, 1000);  // besides each Function's first use (the caller's)
+  EXPECT_TRUE(c.gradcheck_sampled(0));
+  EXPECT_FALSE(c.gradcheck_sampled(999));
+  EXPECT_TRUE(c.gradcheck_sampled(2000));
+  o.gradcheck_every = 0;  // first use only
   EXPECT_FALSE(c.gradcheck_sampled(0));
   o.gradcheck_every = 1;
   EXPECT_TRUE(c.gradcheck_sampled(0));
@@ -153,6 +157,68 @@ TEST(AutogradCheck, JudgeLowPrecisionIsLooser) {
   EXPECT_EQ(AutogradCheck::judge(r), Verdict::kMismatch);
   r.analytic = 2.0;
   EXPECT_EQ(AutogradCheck::judge(r), Verdict::kMismatch);
+}
+
+TEST(AutogradCheck, SharedMemoryParametersAreLeftToOtherProcesses) {
+  // Note [Shared-memory parameters]: Hogwild's lock-free updates from other processes.
+  FakeSink sink;
+  Options o;
+  AutogradCheck c(sink, o);
+  SavedTensorChange shared{"MmBackward0", "fc1.weight", {8, 4}, "float32"};
+  shared.shared_memory = true;
+  c.on_saved_tensor_changed(shared, 3);
+  EXPECT_TRUE(sink.calls.empty());
+  // A saved tensor that is not a parameter (a DataLoader worker's batch is in shared memory too).
+  SavedTensorChange batch{"MmBackward0", "", {8, 4}, "float32"};
+  batch.shared_memory = true;
+  c.on_saved_tensor_changed(batch, 3);
+  EXPECT_EQ(sink.calls.size(), 1u);
+}
+
+// A flat (or identity) part: w·(Jv) by the backward against the differences'.
+CustomGradResult with_surrogate(double analytic, double central, double unit) {
+  CustomGradResult r = agreeing(1.0);
+  r.surrogate_analytic = analytic;
+  r.surrogate_central = central;
+  r.surrogate_unit = unit;
+  return r;
+}
+
+TEST(AutogradCheck, SurrogateGradientsAreToldApartAtTheirEdges) {
+  // Note [Surrogate gradients]: tol = 1e-6·‖w‖‖v‖ (1e-3 in lower precision) + 1e-4·|central|.
+  EXPECT_FALSE(AutogradCheck::surrogate(agreeing()));                     // nothing flat
+  EXPECT_FALSE(AutogradCheck::surrogate(with_surrogate(0.9e-5, 0, 10)));  // a true 0 (rounding)
+  EXPECT_TRUE(AutogradCheck::surrogate(with_surrogate(1.1e-5, 0, 10)));   // straight through
+  EXPECT_TRUE(AutogradCheck::surrogate(with_surrogate(-3.0, 3.0, 10)));   // gradient reversal
+  EXPECT_FALSE(AutogradCheck::surrogate(with_surrogate(3.0, 3.0 + 2e-4, 10)));  // an identity
+  CustomGradResult low = with_surrogate(0.9e-2, 0, 10);
+  low.low_precision = true;
+  EXPECT_FALSE(AutogradCheck::surrogate(low));
+  low.surrogate_analytic = 1.1e-2;
+  EXPECT_TRUE(AutogradCheck::surrogate(low));
+  EXPECT_FALSE(AutogradCheck::surrogate(with_surrogate(kNaN, 0, 10)));  // inconclusive
+}
+
+TEST(AutogradCheck, ASurrogateFunctionIsNotReportedOnAnyInput) {
+  FakeSink sink;
+  Options o;
+  AutogradCheck c(sink, o);
+  // LSQ: straight through on x (input 0); its scale gradient (input 1) is not the derivative.
+  CustomGradResult x = with_surrogate(2.0, 0.0, 10);
+  x.function = "q.Lsq";
+  CustomGradResult s = agreeing(1.5);
+  s.function = "q.Lsq";
+  s.input_index = 1;
+  s.analytic = -0.4;
+  c.on_custom_grads({s, x}, 1);
+  EXPECT_TRUE(sink.calls.empty());
+  // A slip on the judged part of a Function without a surrogate is still found, alongside.
+  CustomGradResult relu = with_surrogate(0.0, 0.0, 10);  // flat zeros that pass no gradient
+  relu.function = "m.DoubledReLU";
+  relu.analytic = 2.0;
+  c.on_custom_grads({s, x, relu}, 1);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].tensor, "m.DoubledReLU:input 0");
 }
 
 TEST(AutogradCheck, KinksWidenTheToleranceAndNonFiniteFiguresAreInconclusive) {

@@ -136,6 +136,30 @@ def test_user_saved_tensor_hooks_are_left_alone():
     assert _hooks_top() is None
 
 
+def test_shared_memory_parameters_are_left_to_other_processes():
+    """Hogwild (model.share_memory()): other processes' steps rewrite the shared weights between a
+    forward and its backward, by design. Such a write has the facts of an own-process .data write
+    (no version bump): on a shared parameter neither is reported (Note [Shared-memory
+    parameters]); the same write on the unshared twin is (the test above)."""
+    model = _mlp()
+    model.share_memory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainsan.attach(model, opt, policy="record", audit_first_steps=3) as san:
+        _train(model, opt, 3, write_at=(1,), write=_data_write)
+        assert not [f for f in san.findings if f.kind == "inplace_before_backward"]
+    # A NumPy write into a batch that is itself in shared memory is still found (not a parameter).
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainsan.attach(model, opt, policy="record") as san:
+        x, y = _batch()
+        x.share_memory_()
+        loss = F.mse_loss(model(x), y)
+        x.numpy()[:] *= 2.0  # saved by the first Linear (for its weight's gradient)
+        loss.backward()
+        fs = [f for f in san.findings if f.kind == "inplace_before_backward"]
+    assert len(fs) == 1 and "a tensor [8, 4]" in fs[0].message, [f.message for f in fs]
+
+
 def test_inplace_check_can_be_switched_off():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -226,8 +250,9 @@ def test_buggy_custom_functions_are_named_with_their_input():
     assert "(the opposite sign)" in by_tensor[f"{__name__}.NegatedWeightLinear:input 1"].message
 
 
-def test_gradcheck_is_off_by_default_and_sampled():
-    assert _custom_run(MyLinear, DoubledExp) == []
+def test_gradcheck_at_first_use_by_default_then_sampled():
+    fs = _custom_run(MyLinear, DoubledExp, steps=5)  # at its first use (gradcheck_every 1000)
+    assert [(f.step, f.count) for f in fs] == [(0, 1)]
     fs = _custom_run(MyLinear, DoubledExp, steps=5, gradcheck_every=4)
     assert [(f.step, f.count) for f in fs] == [(0, 2)]  # steps 0 and 4
 

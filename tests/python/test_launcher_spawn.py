@@ -57,13 +57,14 @@ def _started(n, how):
 
 
 # Hogwild is lock-free by design: another process's step may rewrite the shared weights between a
-# forward and its backward, which is what inplace_before_backward reports (at random: it depends
-# on the interleaving). The Hogwild runs turn it off, as docs/using.md tells Hogwild users to.
-HOGWILD = ["--checks", "inplace_before_backward=off"]
+# forward and its backward. At the defaults inplace_before_backward knows shared-memory parameters
+# (Note [Shared-memory parameters], host/checks/autograd.cpp): the runs must stay silent.
 LAUNCHES = {
-    "hogwild_clean": [*HOGWILD, "--trace", "{tmp}/hogwild_clean.jsonl", _script("hogwild.py")],
-    "hogwild_raise": [*HOGWILD, _script("hogwild.py"), "--bug", "detach"],
-    "hogwild_spawn_record": [*HOGWILD, "--policy", "record", "--trace",
+    "hogwild_clean": ["--trace", "{tmp}/hogwild_clean.jsonl", _script("hogwild.py")],
+    "hogwild_busy": ["--audit-first-steps", "100", "--trace", "{tmp}/hogwild_busy.jsonl",
+                     _script("hogwild.py"), "--processes", "3", "--steps", "40"],
+    "hogwild_raise": [_script("hogwild.py"), "--bug", "detach"],
+    "hogwild_spawn_record": ["--policy", "record", "--trace",
                              "{tmp}/hogwild_spawn.jsonl", _script("hogwild.py"),
                              "--start-method", "spawn", "--bug", "detach"],
     "fork_after_training": ["--trace", "{tmp}/fork.jsonl", _script("fork_after_training.py")],
@@ -157,6 +158,18 @@ def test_hogwild_clean(launched):
     assert r.stderr.count("trainsan run: Net with SGD, trace ") == 1, r.stderr
     assert _started(2, "multiprocessing.Process") in r.stderr, r.stderr
     assert "trainsan run: rank 1: 8 steps, no findings" in r.stderr, r.stderr
+
+
+def test_hogwild_lock_free_updates_are_not_inplace_writes(launched):
+    """Three processes, every step sampled by the saved-tensor check: the other processes' steps
+    rewrite the shared weights between a forward and its backward (Hogwild's design), which
+    inplace_before_backward must not report (Note [Shared-memory parameters])."""
+    tmp, runs = launched
+    r = runs["hogwild_busy"]
+    _assert_silent(r)
+    for rank in (0, 1, 2):
+        summary = _summary(os.path.join(tmp, f"hogwild_busy.rank{rank}.jsonl"))
+        assert summary["steps"] == 40 and summary["findings"] == {}, summary
 
 
 def test_hogwild_detach_raise(launched):

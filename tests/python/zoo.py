@@ -1387,6 +1387,28 @@ def _bcg_transposed(ctx):
         opt.step()
 
 
+class _SwishDoubled(_Swish):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return 2 * g * (s + x * s * (1 - s))  # bug: a factor 2
+
+
+@case("bad_custom_grad/doubled_swish_defaults_mlp", "bad_custom_grad", 0, "mlp", "AdamW",
+      "a custom Swish autograd.Function whose backward is twice the derivative, at the defaults "
+      "(checked at its first use)")
+def _bcg_doubled_defaults(ctx):
+    model = _SwishMLP(_SwishDoubled)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 # =============================================================================================
 # Clean loops (no error-severity finding allowed)
 # =============================================================================================
@@ -2027,6 +2049,55 @@ def _c_custom_functions(ctx):
         t, y = token_batch()
         opt.zero_grad()
         F.cross_entropy(_LinearFn.apply(model(t), model.mix), y).backward()
+        opt.step()
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Straight-through rounding (quantisation-aware training): the backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _GradReverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): identity forward, backward −λg."""
+
+    @staticmethod
+    def forward(ctx, x, lam):
+        ctx.lam = lam
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g, None
+
+
+class _SurrogateMLP(nn.Module):
+    def __init__(self, din=8, dh=16):
+        super().__init__()
+        self.fc1, self.fc2, self.adv = nn.Linear(din, dh), nn.Linear(dh, 1), nn.Linear(dh, 1)
+
+    def forward(self, x):
+        h = _RoundSTE.apply(torch.tanh(self.fc1(x)))
+        return self.fc2(h) + 0.1 * self.adv(_GradReverse.apply(h, 0.5))
+
+
+@case("clean/straight_through_and_gradient_reversal_mlp", None, None, "mlp", "Adam",
+      "custom Functions whose backward is deliberately not the derivative, at the defaults: a "
+      "straight-through rounding and a gradient reversal layer")
+def _c_surrogates(ctx):
+    model = _SurrogateMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
         opt.step()
 
 

@@ -42,15 +42,28 @@ std::vector<Finding> check_custom_grad(const std::string& name, const TensorFunc
 /// outputs are in lower precision, else 1e-6) · (1 + max|x|).
 double directional_eps(const at::Tensor& x, bool low_precision);
 
+/// The output elements of one directional check (on the input perturbed to `x_plus` and
+/// `x_minus`) whose backward is not judged (Note [Surrogate gradients], host/checks/autograd.cpp):
+/// per output a bool tensor of its shape, true where f(x+εv) == f(x−εv) exactly (the forward is
+/// flat along v there: a round, a sign, a clamp's saturated side, a ReLU's zeros) and on all of
+/// an output that is the perturbed input itself (f_o(x±εv) == x±εv: an identity forward, whose
+/// Function exists to shape the gradient: gradient reversal or scaling).
+std::vector<at::Tensor> surrogate_masks(const at::Tensor& x_plus, const at::Tensor& x_minus,
+                                        const std::vector<at::Tensor>& yp,
+                                        const std::vector<at::Tensor>& ym);
+
 /// The figures of one directional check from its evaluations (measure_custom_grad's per-input
 /// step; the Python package's measurement calls it too): cotangents `u` and outputs `y0` (at x),
 /// `yp` (x + εv), `ym` (x − εv) per output, direction `v`, and `grad` = Jᵀu on the input
-/// (undefined: zero). Fills every figure of CustomGradResult but `function` and `input_index`;
-/// `low_precision` is whether some output of `y0` is not float64.
+/// (undefined: zero). `u` is the judged part of the cotangent (zero on the surrogate_masks()
+/// elements); `u_surrogate` (empty: none) the rest, with `grad_surrogate` = Jᵀu_surrogate. Fills
+/// every figure of CustomGradResult but `function` and `input_index`; `low_precision` is whether
+/// some output of `y0` is not float64.
 CustomGradResult directional_figures(const std::vector<at::Tensor>& u, const at::Tensor& v,
                                      const std::vector<at::Tensor>& y0,
                                      const std::vector<at::Tensor>& yp,
                                      const std::vector<at::Tensor>& ym, const at::Tensor& grad,
-                                     double eps);
+                                     double eps, const std::vector<at::Tensor>& u_surrogate = {},
+                                     const at::Tensor& grad_surrogate = at::Tensor());
 
 }  // namespace trainsan

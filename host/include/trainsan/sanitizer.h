@@ -286,17 +286,28 @@ class Sanitizer {
   void saved_tensor_changed(const SavedTensorChange& change);
   /// A directional finite-difference check of a custom autograd Function (bad_custom_grad).
   void custom_grad_result(const CustomGradResult& result);
-  /// bad_custom_grad of a custom autograd function `fn` at `inputs` (its arguments in this step),
-  /// on gradcheck_step() steps only: measure_custom_grad() (custom_grad.h), each result judged
-  /// as by custom_grad_result(). `name` names it in findings, e.g. "MyLinear".
+  /// The directional checks of one application of a custom Function, one per differentiable
+  /// input, judged together: a Function that passes a surrogate gradient on one input (Note
+  /// [Surrogate gradients], host/checks/autograd.cpp) is not reported on any.
+  void custom_grad_results(const std::vector<CustomGradResult>& results);
+  /// bad_custom_grad of a custom autograd function `fn` at `inputs` (its arguments in this step):
+  /// at its first call (by `name`), then on gradcheck_step() steps: measure_custom_grad()
+  /// (custom_grad.h) judged as by custom_grad_results(). `name` names it in findings, e.g.
+  /// "MyLinear". Pass small inputs (a few rows of the batch) where the function allows: the
+  /// measurement evaluates it 1 + 2·(differentiable inputs) times in float64.
   void check_custom_grad(const std::string& name, const TensorFunction& fn,
                          const std::vector<at::Tensor>& inputs);
   /// Whether the current step's training forward gets the saved-tensor check
   /// (inplace_before_backward on, a sampled step of the op audit's schedule, not inside an
   /// optimizer step's closure).
   bool inplace_check_step() const;
-  /// Whether custom Functions are checked at the current step (bad_custom_grad, gradcheck_every).
+  /// Whether custom Functions are checked again at the current step (bad_custom_grad,
+  /// gradcheck_every): custom_grad_due(false).
   bool gradcheck_step() const;
+  /// Whether a custom Function applied now is checked: bad_custom_grad on, the sanitizer open,
+  /// not inside an optimizer step's closure, and `first_use` (its first application) or a
+  /// gradcheck_every step.
+  bool custom_grad_due(bool first_use) const;
   /// Replicas of these parameters train in other processes and the caller compares them
   /// (rank_desync; Note [Replica comparison] in bindings/trainsan/replicas.py): from now on every
   /// step pass due (desync_every) fingerprints the parameters and gradients and keeps the
