@@ -137,7 +137,7 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
         [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
   m.def(
       "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
-      "Tensor? grad, float eps, Tensor[] u_surrogate=[], Tensor? grad_surrogate=None) -> "
+      "Tensor? grad, float eps, Tensor[] u_surrogate, Tensor? grad_surrogate) -> "
       "Dict(str, Any)",
       &directional_figures_op);
   m.def("surrogate_masks(Tensor x_plus, Tensor x_minus, Tensor[] yp, Tensor[] ym) -> Tensor[]",

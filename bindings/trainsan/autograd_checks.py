@@ -276,9 +276,9 @@ def _function_apply() -> list:
             return orig_fn(cls, *args, **kwargs)
         inputs = _inputs(args)
         out = orig_fn(cls, *args, **kwargs)
-        for c in users:
-            c.mark(cls)
-        if inputs is not None:
+        if inputs is not None:  # else nothing differentiable: checked at a later application
+            for c in users:
+                c.mark(cls)
             t0 = time.perf_counter()
             results = _check_function(orig_fn, cls, inputs, kwargs, users[0]._handle)
             for c in users:
@@ -456,7 +456,7 @@ def _directional_check(orig_fn, cls, base, diff, kwargs, devices) -> list:
                 )
             else:
                 # CustomGradResult's figures by name
-                figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps)
+                figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps, [], None)
             results.append(dict(figures, input_index=k))
     return results
 

@@ -186,6 +186,9 @@ class NoisyDropout(torch.autograd.Function):
 
 
 class Net(nn.Module):
+    """`act`: a Function (its apply looked up at each call, as code that writes Fn.apply(x) in
+    forward does), or any callable."""
+
     def __init__(self, act):
         super().__init__()
         torch.manual_seed(0)
@@ -194,7 +197,10 @@ class Net(nn.Module):
         self.act = act
 
     def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+        h = self.fc1(x)
+        act = self.act
+        h = act.apply(h) if isinstance(act, type) else act(h)
+        return self.fc2(h)
 
 
 def _train(model, steps=3, seed=1, **opts):
@@ -210,7 +216,7 @@ def _train(model, steps=3, seed=1, **opts):
 
 
 def _found(fn, **opts):
-    return _train(Net(fn.apply), **opts)[0]
+    return _train(Net(fn), **opts)[0]
 
 
 def test_a_doubled_swish_is_found_at_its_first_use():
@@ -236,7 +242,7 @@ def test_a_doubled_relu_is_found_on_its_positive_side():
 
 @pytest.mark.parametrize("fn", [SwishFn, TanhGelu, MyReLU, RoundSTE, ClampSTE])
 def test_correct_and_straight_through_functions_are_silent(fn):
-    fs, san = _train(Net(fn.apply))
+    fs, san = _train(Net(fn))
     assert fs == [], [f.message for f in fs]
     assert not san.errors()
 
@@ -293,10 +299,37 @@ def test_non_tensor_arguments_tuples_and_integer_inputs_are_checked():
     assert fs == [], [f.message for f in fs]
     assert not san.errors()
 
+    # The same Functions with a slip each: the lookup's table gradient doubled (checked on full
+    # copies: its indices do not fit 2 rows of the table), ScaleShift's weight gradient negated.
+    class DoubledLookup(Lookup):
+        @staticmethod
+        def backward(ctx, g):
+            gw, gi = Lookup.backward(ctx, g)
+            return 2 * gw, gi
+
+    class NegatedScaleShift(ScaleShift):
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, gy, gidx, gs):
+            x, w = ctx.saved_tensors
+            g = gy + gs.unsqueeze(-1)
+            return ctx.scale * g * w, -(ctx.scale * g * x).sum(0), None, None
+
+    class Buggy(Many):
+        def forward(self, x):
+            idx = (x[:, 0].abs() * 10).long() % 50
+            h = DoubledLookup.apply(self.emb, idx) + x
+            y, _, s = NegatedScaleShift.apply(h, self.w, 0.5, "affine")
+            return self.fc(y) + s.unsqueeze(-1)
+
+    fs = _train(Buggy())[0]
+    assert sorted(f.tensor.split(".")[-1] for f in fs) == [
+        "DoubledLookup:input 0", "NegatedScaleShift:input 1"], [f.message for f in fs]
+
 
 def test_switched_off_nothing_and_no_wrapper():
     orig = torch.autograd.Function.__dict__["apply"]
-    model = Net(DoubledSwish.apply)
+    model = Net(DoubledSwish)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with trainsan.attach(model, opt, policy="record", checks={"bad_custom_grad": False}) as san:
         assert torch.autograd.Function.__dict__["apply"] is orig and not _fn_users
@@ -318,13 +351,15 @@ def test_a_function_first_used_later_is_checked_then():
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.fc = nn.Linear(8, 1)
+            self.fc0, self.fc = nn.Linear(8, 8), nn.Linear(8, 1)
             self.calls = 0
 
         def forward(self, x):
             self.calls += 1
-            h = DoubledSwish.apply(x) if self.calls > 2 else x
-            return self.fc(h)
+            # Applied to the raw input first (nothing differentiable: not checked, not marked).
+            x = DoubledSwish.apply(x) if self.calls == 2 else x
+            h = self.fc0(x)
+            return self.fc(DoubledSwish.apply(h) if self.calls > 2 else h)
 
     fs = _train(Late(), steps=4)[0]
     assert [(f.step, f.count) for f in fs] == [(2, 1)]
@@ -335,7 +370,7 @@ def test_the_first_use_check_changes_nothing(fn):
     """Parameters, .grad and the RNG stream after the steps are those of a run without it."""
 
     def run(check):
-        act = (lambda h: NoisyDropout.apply(h, 0.2)) if fn is NoisyDropout else fn.apply
+        act = (lambda h: NoisyDropout.apply(h, 0.2)) if fn is NoisyDropout else fn
         model = Net(act)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         torch.manual_seed(3)
@@ -359,6 +394,13 @@ def test_the_first_use_check_changes_nothing(fn):
     assert bool(found) == (fn is DoubledSwish)
 
 
+def test_an_apply_bound_before_attach_is_not_seen():
+    """The documented limit: `swish = SwishFn.apply` taken before attach() calls the unwrapped
+    apply (the wrapper is installed while a sanitizer is open)."""
+    bound = DoubledSwish.apply
+    assert _train(Net(lambda h: bound(h)))[0] == []
+
+
 def test_the_check_runs_on_small_copies():
     """The Function sees 2-row float64 copies on the CPU, never the real tensors."""
     seen = []
@@ -369,7 +411,7 @@ def test_the_check_runs_on_small_copies():
             seen.append((x.dtype, tuple(x.shape), x.data_ptr()))
             return SwishFn.forward(ctx, x)
 
-    model = Net(Spy.apply)
+    model = Net(Spy)
     _train(model, steps=1)
     assert seen[0][0] == torch.float32 and seen[0][1] == (32, 16)
     assert {s[:2] for s in seen[1:]} == {(torch.float64, (2, 16))}, seen
