@@ -30,7 +30,8 @@ from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Prov
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
 from ._patches import (_attached, _data_restarts, _forward_clock, _loader_patch, _loss_patch,
-                       _save_patch, _scaler_patch, _step_counts, attached_to)
+                       _save_patch, _scaler_patch, _step_counts, _zero_grad_patch, attached_to,
+                       loader_facts)
 from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
@@ -225,7 +226,8 @@ class Sanitizer:
         self._label_guard = (
             LabelGuard(_weak_method(self._check_target), host_only=not sync)
             if policy == "raise"
-            and (enabled("label_range", checks) or enabled("batch_mismatch", checks))
+            and any(enabled(k, checks)
+                    for k in ("label_range", "label_dtype", "batch_mismatch"))
             else None
         )
         if self._label_guard is not None:
@@ -241,6 +243,7 @@ class Sanitizer:
                     hooks.add(m.register_forward_hook(_Hook(self, "_activation", n)))
         self._parts.append(Held(_scaler_patch))
         self._parts.append(Held(_loader_patch))
+        self._parts.append(Held(_zero_grad_patch))
         # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
         # custom-Function gradcheck (opt-in, gradcheck_every).
         if enabled("inplace_before_backward", checks):
@@ -397,8 +400,10 @@ class Sanitizer:
             self._last_train_forward = _forward_clock[0]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
+        lpass, workers, init, batch = loader_facts() if training else (-1, 0, False, [])
         found = self._handle.forward(
-            training, inputs, module_eval, self._take_overhead(), _data_restarts[0]
+            training, inputs, module_eval, self._take_overhead(), _data_restarts[0],
+            lpass, workers, init, batch
         )
         train = training and torch.is_grad_enabled()
         for call in self._calls["on_forward"]:
@@ -514,6 +519,21 @@ class Sanitizer:
 
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
         self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
+
+    def _gradients_cleared(self, opt) -> None:
+        """zero_grad of optimizer `opt` (None: of the model) is about to run (Note [Discarded
+        gradients])."""
+        if self._closed:
+            return
+        if opt is None:
+            k = -1
+        elif opt in self._optimizers:
+            k = self._optimizers.index(opt)
+        else:
+            return
+        for call in self._calls["before_clear"]:
+            call(k)
+        self._apply(self._handle.gradients_cleared(k))
 
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
         """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
