@@ -59,16 +59,15 @@ def fit_labels(classes: int, head: int, steps: int = 4, **attach):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(Tabular(classes), batch_size=32, shuffle=True)
     attach.setdefault("policy", "record")
-    san = trainsan.attach(model, opt, **attach)
-    for i, (x, y) in enumerate(loader):
-        if i == steps:
-            break
-        assert y.dtype == torch.uint8
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y.long())  # cross_entropy needs int64 targets
-        loss.backward()
-        opt.step()
-    san.close()
+    with trainsan.attach(model, opt, **attach) as san:
+        for i, (x, y) in enumerate(loader):
+            if i == steps:
+                break
+            assert y.dtype == torch.uint8
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y.long())  # cross_entropy needs int64 targets
+            loss.backward()
+            opt.step()
     return san
 
 
