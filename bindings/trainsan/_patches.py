@@ -123,7 +123,7 @@ _loader_yielded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # lo
 _data_restarts = [0]
 # The loader passes (Note [Repeated batches], host/checks/inputs.cpp): every DataLoader iteration
 # gets a serial number, and the latest batch a loader yielded is described to the next training
-# forward: [its pass, the loader's num_workers, whether it has a worker_init_fn, weak references
+# forward (only to it): [its pass, the loader's num_workers, whether it has a worker_init_fn, weak references
 # to its uint8/int8/int16 tensors (label_dtype, Note [Label dtype] in host/audit/labels.cpp)].
 _loader_passes = [0]
 _loader_last: list = [-1, 0, False, []]
@@ -144,9 +144,12 @@ def _small_ints(obj: Any, out: list, depth: int = 0) -> list:
     return out
 
 
-def loader_facts() -> tuple:
-    """(pass, num_workers, worker_init_fn given, small-integer tensors) of the latest batch."""
+def take_loader_facts() -> tuple:
+    """(pass, num_workers, worker_init_fn given, small-integer tensors) of the latest batch, once:
+    a training forward takes them, and the next one without a new batch gets (-1, 0, False, [])
+    (a loop that does not fetch a batch per step is not judged by a loader it used before)."""
     p, workers, init, refs = _loader_last
+    _loader_last[:] = [-1, 0, False, []]
     return p, workers, init, [t for t in (r() for r in refs) if t is not None]
 
 

@@ -31,7 +31,7 @@ from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Prov
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
 from ._patches import (_attached, _data_restarts, _forward_clock, _loader_patch, _loss_patch,
                        _save_patch, _scaler_patch, _step_counts, _zero_grad_patch, attached_to,
-                       loader_facts)
+                       take_loader_facts)
 from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
@@ -400,7 +400,8 @@ class Sanitizer:
             self._last_train_forward = _forward_clock[0]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
-        lpass, workers, init, batch = loader_facts() if training else (-1, 0, False, [])
+        lpass, workers, init, batch = (take_loader_facts() if training and torch.is_grad_enabled()
+                                       else (-1, 0, False, []))
         found = self._handle.forward(
             training, inputs, module_eval, self._take_overhead(), _data_restarts[0],
             lpass, workers, init, batch
