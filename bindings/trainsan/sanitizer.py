@@ -163,6 +163,9 @@ class Sanitizer:
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
         self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
         self._last_train_forward = -1  # _forward_clock at this model's latest training forward
+        # A loss of this model went into a backward since the last optimizer step or clear: a
+        # zero_grad then may discard gradients no step used (Note [Discarded gradients]).
+        self._unstepped_backward = False
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
@@ -462,6 +465,7 @@ class Sanitizer:
             self._amp_skipping.discard(k)
             return  # not counted: the GradScaler patch sees no step and reports the AMP skip
         _step_counts[opt] = _step_counts.get(opt, 0) + 1
+        self._unstepped_backward = False
         if self._closed:
             return
         self._watched.clear()  # a loss is watched once per step (Note [Loss roots])
@@ -532,8 +536,12 @@ class Sanitizer:
             k = self._optimizers.index(opt)
         else:
             return
-        for call in self._calls["before_clear"]:
-            call(k)
+        if self._unstepped_backward:
+            # The flags of the backward whose gradients may go unused, before they are read (only
+            # then: a zero_grad between the forward and its backward must not read them early).
+            self._unstepped_backward = False
+            for call in self._calls["before_clear"]:
+                call(k)
         self._apply(self._handle.gradients_cleared(k))
 
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
@@ -541,6 +549,7 @@ class Sanitizer:
         if self._closed or opt not in self._optimizers:
             return
         k = self._optimizers.index(opt)
+        self._unstepped_backward = False
         for call in self._calls["on_scaler"]:
             call(k, skipped)
         self._apply(self._handle.scaler_step(k, skipped, scale))
@@ -564,7 +573,10 @@ class Sanitizer:
 
     def _auto_loss(self, loss: torch.Tensor) -> None:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
-        if self._closed or not self._first_watch(loss):
+        if self._closed:
+            return
+        self._unstepped_backward = True
+        if not self._first_watch(loss):
             return
         for call in self._calls["on_loss"]:
             call(loss)

@@ -300,3 +300,22 @@ def test_occasional_overflow_skips_are_silent():
     san = amp_fit(AmpNet(), steps=30,
                   plant=lambda i, loss: loss * 1e30 if i in (0, 1, 12) else loss)
     assert errors(san) == []
+
+
+def test_zero_grad_between_forward_and_backward_keeps_the_backward_origin():
+    # The order many scripts use: the gradients are cleared after the forward, before backward().
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    san = trainsan.attach(model, opt, policy="record")
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    x[::4] = 0.0
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    san.close()
+    first = of(san, "nonfinite_grad")[0]
+    assert "being cleared" not in first.message  # read by the step, as before
+    assert "It first appeared in the backward at the gradient of the output of fc1" in \
+        first.message
