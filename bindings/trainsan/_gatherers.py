@@ -18,8 +18,8 @@ from . import _compile
 # A Sanitizer keeps everything it installs or runs besides its own hooks' events in one list of
 # Gatherers and calls every member at each event in the list's order: a training forward, a loss,
 # the beginning of an optimizer step, its end (or the GradScaler's skip of it), a GradScaler step,
-# a clearing of the gradients (zero_grad), and close(), which closes every member (each hook removed, each process-wide patch released)
-# before the C++ side writes the summary. The order matters where two members act at the same
+# a clearing of the gradients (zero_grad), and close(), which closes every member (each hook
+# removed, each process-wide patch released) before the C++ side writes the summary. The order matters where two members act at the same
 # event: the label guard's window and the autograd checks' windows end before the parameters are
 # checked at the first step, the replicas compare the starting weights before the re-runs, the
 # resume facts and the overflow flags are read (Sanitizer.__init__ builds the list in that

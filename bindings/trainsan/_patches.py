@@ -1,6 +1,7 @@
 """Process-wide patches (Patch), each installed while at least one sanitizer is open (reference
-counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
-(Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
+counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader
+iteration (Note [Stuck data], Note [Repeated batches]), Optimizer/Module.zero_grad (Note
+[Discarded gradients]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
 registries of open sanitizers they and the compile entry (_compile.py) look sanitizers up in."""
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ _loader_yielded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # lo
 _data_restarts = [0]
 # The loader passes (Note [Repeated batches], host/checks/inputs.cpp): every DataLoader iteration
 # gets a serial number, and the latest batch a loader yielded is described to the next training
-# forward (only to it): [its pass, the loader's num_workers, whether it has a worker_init_fn, weak references
-# to its uint8/int8/int16 tensors (label_dtype, Note [Label dtype] in host/audit/labels.cpp)].
+# forward (only to it): [its pass, the loader's num_workers, whether it has a worker_init_fn,
+# weak references to its uint8/int8/int16 tensors (label_dtype, Note [Label dtype] in
+# host/audit/labels.cpp)].
 _loader_passes = [0]
 _loader_last: list = [-1, 0, False, []]
 _SMALL_INTS = (torch.uint8, torch.int8, torch.int16)

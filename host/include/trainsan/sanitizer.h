@@ -130,7 +130,7 @@ struct ForwardFacts {
   bool loader_worker_init = false;
   /// Other tensors of the step's batch than the forward's inputs (the labels a loader yields
   /// next to them): label_dtype compares a loss's class targets with the small-integer ones.
-  std::vector<at::Tensor> batch;
+  std::vector<at::Tensor> batch = {};
 };
 
 /// What one run of a training step's forward and backward produced, for the nondeterminism
