@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 import trainsan  # noqa: E402
 from bench_overhead import MODELS, loss_fn, make_batches, make_optimizer  # noqa: E402
 
-AUDIT_KINDS = ("broadcast", "label_range", "batch_mismatch")
+AUDIT_KINDS = ("broadcast", "label_range", "label_dtype", "batch_mismatch")
 OFF = {"checks": {k: False for k in AUDIT_KINDS}}
 
 

@@ -31,6 +31,7 @@ struct AuditConfig {
   bool broadcast = false;
   bool label_range = false;
   bool batch_mismatch = false;
+  bool label_dtype = false;
   /// Read CUDA targets at once instead of shipping their flags.
   bool sync = false;
   /// Print a finding at once when its op is likely to fail (the policy is not "record").
@@ -57,6 +58,10 @@ class OpAudit {
   /// computation after it) when the step is sampled (first_steps, every) and an audit kind is
   /// on. Findings of the callbacks are recorded in the sink at once, with this step.
   void begin_forward(int64_t step);
+  /// The step's batch as the caller knows it (the forward's inputs and the other tensors a data
+  /// loader yielded with them): label_dtype compares class targets with its small-integer
+  /// tensors (Note [Label dtype]). Held until the next call.
+  void set_batch(std::vector<at::Tensor> batch);
   /// Stop observing: the first gradient hook of the step (backward has started), the step end,
   /// close(). Cheap when not auditing.
   void stop();

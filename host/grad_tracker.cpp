@@ -123,6 +123,7 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
                           std::vector<Consumed>* out) {
   const std::lock_guard<std::mutex> lock(mu_);
   if (!manual && probe_steps_ > 0) probe_steps_ -= 1;
+  if (!manual) steps_ += 1;
   in_step_ = false;
   backwards_since_step_ = 0;
   grad_since_forward_ = false;
@@ -220,6 +221,7 @@ bool GradTracker::got_grad(int64_t opt) const {
 
 void GradTracker::amp_skip(int64_t opt) {
   const std::lock_guard<std::mutex> lock(mu_);
+  steps_ += 1;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (opt < 0 || params_[i].opt == opt) {
       grad_[i].step_since_clear = true;  // the scaler consumed the gradient, on purpose
@@ -228,6 +230,20 @@ void GradTracker::amp_skip(int64_t opt) {
     }
   }
   in_step_ = false;
+}
+
+std::vector<size_t> GradTracker::discarded(int64_t opt) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<size_t> out;
+  if (in_step_ || !have_optimizer_) return out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    GradState& s = grad_[i];
+    if (params_[i].opt < 0 || (opt >= 0 && params_[i].opt != opt)) continue;
+    if (!s.got_grad || s.discard_read || s.produced_gen != steps_) continue;
+    s.discard_read = true;
+    out.push_back(i);
+  }
+  return out;
 }
 
 void GradTracker::arm_probe(int64_t steps) {
@@ -330,6 +346,8 @@ void GradTracker::on_grad_accumulated(size_t i) {
   }
   s.produced_since_clear = true;
   s.got_grad = true;
+  s.produced_gen = steps_;
+  s.discard_read = false;
   grad_since_forward_ = true;
   s.last = WeakImpl(g);
   s.consumed_latest = false;

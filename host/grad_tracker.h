@@ -68,6 +68,8 @@ struct GradState {
   bool stale = false;             // accumulated onto a gradient a step had already consumed
   bool accumulated = false;       // (manual mode) accumulated onto an uncleared gradient
   bool skipped = false;           // cleared twice without any step of its optimizer since
+  uint64_t produced_gen = 0;      // GradTracker::steps_ at its last accumulation
+  bool discard_read = false;      // its unused gradient was read before a clear (discarded())
   WeakImpl last;                  // the .grad as left by the last accumulation
   WeakImpl consumed;              // the .grad as consumed by the last step
   bool consumed_latest = false;   // no accumulation since that step
@@ -128,6 +130,10 @@ class GradTracker {
   bool got_grad(int64_t opt) const;
   /// The GradScaler skipped the step of optimizer `opt` on purpose (Inf/NaN found).
   void amp_skip(int64_t opt);
+  /// Note [Discarded gradients]: the parameters of optimizer `opt` (-1: all) whose gradient a
+  /// backward produced since their optimizer's last step, with no optimizer step (or scaler skip)
+  /// since that backward, not yet returned by a previous call.
+  std::vector<size_t> discarded(int64_t opt);
   /// Note [Zero gradients]: for the next `steps` steps, record at each accumulation whether the
   /// gradient holds a nonzero element (one reduction per parameter per backward; read at the step).
   void arm_probe(int64_t steps);
@@ -176,6 +182,7 @@ class GradTracker {
   std::atomic<bool> paused_{false};
   bool grad_since_forward_ = false;  // a gradient arrived since the last training forward
   int64_t backwards_since_step_ = 0;
+  uint64_t steps_ = 0;       // optimizer steps and scaler skips of any optimizer so far
   int64_t probe_steps_ = 0;  // Note [Zero gradients]: steps left to probe
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

@@ -126,6 +126,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   cfg.broadcast = opts.enabled("broadcast");
   cfg.label_range = opts.enabled("label_range");
   cfg.batch_mismatch = opts.enabled("batch_mismatch");
+  cfg.label_dtype = opts.enabled("label_dtype");
   cfg.sync = opts.sync;
   cfg.print_failing = opts.policy != "record";
   cfg.first_steps = opts.audit_first_steps;
@@ -295,12 +296,13 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
         check_tensors(ok, "trainsan inputs");
         const int64_t at_step = step;
         const int64_t restarts = facts.data_restarts;
+        const LoaderView loader{facts.loader_pass, facts.loader_workers, facts.loader_worker_init};
         readback.push(start_host_copy(tensor_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
-                      [this, at_step, restarts](const PackedStats& host) {
+                      [this, at_step, restarts, loader](const PackedStats& host) {
                         uint64_t h = 0x84222325cbf29ce4ull;
                         for (const auto& s : unpack_stats(host))
                           h = (h ^ s.hash) * 0x100000001b3ull;
-                        checks.inputs.on_inputs(h, at_step, restarts);
+                        checks.inputs.on_inputs(h, at_step, restarts, loader);
                         input_hashes[at_step] = h;
                         while (input_hashes.size() > 64) input_hashes.erase(input_hashes.begin());
                         coverage.inputs_fingerprinted += 1;
@@ -309,6 +311,11 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
         // unsupported input dtypes: no duplicate-batch check
       }
     }
+  }
+  if (grad_enabled && training && opts.enabled("label_dtype")) {
+    std::vector<at::Tensor> batch = facts.inputs;
+    batch.insert(batch.end(), facts.batch.begin(), facts.batch.end());
+    audit->set_batch(std::move(batch));
   }
   add_overhead(seconds_since(t0));
   if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
@@ -415,6 +422,58 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
   checks.precision.on_scaler(s, step);
 }
 
+// Note [Discarded gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A loop that guards its step — `if not all(torch.isfinite(p.grad).all() for p in params):
+// optimizer.zero_grad(); continue` — never lets a NaN gradient reach the step pass, which is
+// where nonfinite_grad reads the gradients; the model then stops training while the only trace
+// is skipped_step (gradients cleared unused). So when gradients are about to be cleared
+// (gradients_cleared: Python's zero_grad of an optimizer or of the model) and some parameter of
+// that optimizer got a gradient since the last step that no optimizer step (nor a GradScaler
+// skip) consumed, with no optimizer stepping since that backward (a GAN's discriminator
+// gradients left by the generator's backward are cleared after the generator's step: not read),
+// those gradients are read once, as a step pass reads them (one fused pass, read back like a
+// step's: Note [Lagged checks]), and a non-finite one is nonfinite_grad with the step's overflow
+// provenance. skipped_step's advice then names the non-finite gradients instead of a missing
+// optimizer.step(). Healthy loops never clear unused gradients: no cost to them.
+void SanitizerImpl::gradients_cleared(int64_t opt) {
+  if (closed || grads.in_step() || !opts.enabled("nonfinite_grad")) return;
+  const auto t0 = Clock::now();
+  const std::vector<size_t> idx = grads.discarded(opt);
+  std::vector<at::Tensor> ts;
+  std::vector<std::string> names;
+  for (const size_t i : idx) {
+    const at::Tensor& g = params[i].param.grad();
+    if (!g.defined() || g.layout() != at::kStrided || !at::isFloatingType(g.scalar_type()) ||
+        params[i].local.defined() || (!ts.empty() && g.device() != ts[0].device())) {
+      continue;
+    }
+    ts.push_back(g.detach());
+    names.push_back(params[i].name);
+  }
+  if (!ts.empty()) {
+    try {
+      check_tensors(ts, "trainsan discarded gradients");
+      const int64_t at_step = step;
+      readback.push_or_consume(
+          start_host_copy(tensor_stats_packed(ts)), ReadbackQueue::Phase::kLoss,
+          [this, at_step, names = std::move(names)](const PackedStats& host) {
+            const std::vector<TensorStats> st = unpack_stats(host);
+            std::vector<std::pair<std::string, TensorStats>> grads_read;
+            for (size_t k = 0; k < st.size() && k < names.size(); ++k) {
+              grads_read.emplace_back(names[k], st[k]);
+            }
+            const bool bad = checks.nonfinite.on_discarded(grads_read, at_step);
+            checks.integrity.on_discarded(bad);
+            coverage.discards_checked += 1;
+          });
+    } catch (const c10::Error&) {
+      // gradients the pass cannot read: not checked
+    }
+  }
+  add_overhead(seconds_since(t0));
+}
+
 void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outs) {
   if (closed || !opts.enabled("nonfinite_activation")) return;
   const auto t0 = Clock::now();
@@ -461,7 +520,8 @@ Coverage SanitizerImpl::coverage_now() const {
     std::string why;
     if (needs == "step") {
       if (c.steps_checked == 0) {
-        why = no_step;
+        // nonfinite_grad: gradients read before a clear count (Note [Discarded gradients])
+        if (k.kind != Kind::nonfinite_grad || c.discards_checked == 0) why = no_step;
       } else if (k.kind == Kind::update_ratio && c.update_steps == 0) {
         why = opts.track_updates ? "no step had update statistics (Note [Overhead budget])"
                                  : "track_updates=False";

@@ -73,7 +73,10 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
   impl_->check_updates_outside_step(-1);
   report();
   if (rerun_due()) impl_->capture_rerun_start();
-  forward(ForwardFacts{true, inputs, module_eval});
+  ForwardFacts f;
+  f.inputs = inputs;
+  f.module_eval = module_eval;
+  forward(f);
 }
 
 void Sanitizer::watch_loss(const at::Tensor& loss) {
@@ -144,6 +147,12 @@ void Sanitizer::amp_skip(int64_t opt) {
   s.opt = opt;
   s.skipped = true;
   scaler_step(s);
+}
+
+void Sanitizer::gradients_cleared(int64_t opt) {
+  if (impl_->closed) return;
+  impl_->gradients_cleared(opt);
+  report();
 }
 
 void Sanitizer::scaler_step(const ScalerStep& step) {

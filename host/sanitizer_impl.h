@@ -47,6 +47,7 @@ struct SanitizerImpl {
   void step_end(int64_t opt, bool lr_zero, bool manual,
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
   void scaler_step(const ScalerStep& s);
+  void gradients_cleared(int64_t opt);  // Note [Discarded gradients]
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
   // trainsan::attach (Setup::binding; Note [C++ attach] in attach.cpp): a forward seen by the
   // watch, and the end of an iteration (each optimizer whose step ran is judged).

@@ -200,11 +200,27 @@ TORCH_LIBRARY(trainsan, m) {
                        std::vector<std::string>, std::vector<std::string>, bool,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("forward",
-           [](const H& h, bool training, std::vector<at::Tensor> inputs,
-              c10::List<bool> module_eval, double extra_s, int64_t data_restarts) {
-             h->san->add_overhead(extra_s);
-             h->san->forward({training, std::move(inputs), module_eval.vec(), data_restarts});
+      .def(
+          "forward",
+          [](const H& h, bool training, std::vector<at::Tensor> inputs, c10::List<bool> module_eval,
+             double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
+             bool loader_worker_init, std::vector<at::Tensor> batch) {
+            h->san->add_overhead(extra_s);
+            trainsan::ForwardFacts f;
+            f.training = training;
+            f.inputs = std::move(inputs);
+            f.module_eval = module_eval.vec();
+            f.data_restarts = data_restarts;
+            f.loader_pass = loader_pass;
+            f.loader_workers = loader_workers;
+            f.loader_worker_init = loader_worker_init;
+            f.batch = std::move(batch);
+            h->san->forward(f);
+            return h->take();
+          })
+      .def("gradients_cleared",
+           [](const H& h, int64_t opt) {
+             h->san->gradients_cleared(opt);
              return h->take();
            })
       .def("loss",

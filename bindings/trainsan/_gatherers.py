@@ -18,8 +18,8 @@ from . import _compile
 # A Sanitizer keeps everything it installs or runs besides its own hooks' events in one list of
 # Gatherers and calls every member at each event in the list's order: a training forward, a loss,
 # the beginning of an optimizer step, its end (or the GradScaler's skip of it), a GradScaler step,
-# and close(), which closes every member (each hook removed, each process-wide patch released)
-# before the C++ side writes the summary. The order matters where two members act at the same
+# a clearing of the gradients (zero_grad), and close(), which closes every member (each hook
+# removed, each process-wide patch released) before the C++ side writes the summary. The order matters where two members act at the same
 # event: the label guard's window and the autograd checks' windows end before the parameters are
 # checked at the first step, the replicas compare the starting weights before the re-runs, the
 # resume facts and the overflow flags are read (Sanitizer.__init__ builds the list in that
@@ -46,6 +46,10 @@ class Gatherer:
 
     def on_scaler(self, k: int, skipped: bool) -> None:
         """A GradScaler step of optimizer k (`skipped`: it found Inf/NaN), before it is judged."""
+
+    def before_clear(self, k: int) -> None:
+        """The gradients of optimizer k (-1: of the model) are about to be cleared (zero_grad),
+        before the C++ side reads those no step used (Note [Discarded gradients])."""
 
     def close(self) -> list:
         """The sanitizer closes: release everything; returns reports to apply with its own."""
@@ -259,6 +263,9 @@ class Provenances(Gatherer):
         if skipped:
             self._prov.read_all()  # the skipped step's flags, before the scaler's finding
 
+    def before_clear(self, k: int) -> None:
+        self._prov.read_all()  # a guarded loop's flags, before its gradients are read
+
     def close(self) -> list:
         self._prov.close()
         return []
@@ -325,7 +332,8 @@ def event_calls(members: list) -> dict:
     """event name -> the bound methods of the members that override it, in list order (an event
     calls only those)."""
     out = {}
-    for name in ("on_forward", "on_loss", "before_step", "after_step", "on_scaler"):
+    for name in ("on_forward", "on_loss", "before_step", "after_step", "on_scaler",
+                 "before_clear"):
         base = getattr(Gatherer, name)
         out[name] = [getattr(m, name) for m in members if getattr(type(m), name) is not base]
     return out

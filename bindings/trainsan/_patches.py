@@ -1,6 +1,7 @@
 """Process-wide patches (Patch), each installed while at least one sanitizer is open (reference
-counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader iteration
-(Note [Stuck data]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
+counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader
+iteration (Note [Stuck data], Note [Repeated batches]), Optimizer/Module.zero_grad (Note
+[Discarded gradients]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
 registries of open sanitizers they and the compile entry (_compile.py) look sanitizers up in."""
 
 from __future__ import annotations
@@ -121,6 +122,37 @@ _scaler_patch = Patch(_scaler_step)
 # inside the loop) counts as a restart. Bookkeeping only: the batches are not touched.
 _loader_yielded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # loader -> [n]
 _data_restarts = [0]
+# The loader passes (Note [Repeated batches], host/checks/inputs.cpp): every DataLoader iteration
+# gets a serial number, and the latest batch a loader yielded is described to the next training
+# forward (only to it): [its pass, the loader's num_workers, whether it has a worker_init_fn,
+# weak references to its uint8/int8/int16 tensors (label_dtype, Note [Label dtype] in
+# host/audit/labels.cpp)].
+_loader_passes = [0]
+_loader_last: list = [-1, 0, False, []]
+_SMALL_INTS = (torch.uint8, torch.int8, torch.int16)
+
+
+def _small_ints(obj: Any, out: list, depth: int = 0) -> list:
+    """Weak references to the uint8/int8/int16 tensors of a batch (tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype in _SMALL_INTS:
+            out.append(weakref.ref(obj))
+    elif depth < 2 and isinstance(obj, (list, tuple)):
+        for o in obj[:16]:
+            _small_ints(o, out, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for o in list(obj.values())[:16]:
+            _small_ints(o, out, depth + 1)
+    return out
+
+
+def take_loader_facts() -> tuple:
+    """(pass, num_workers, worker_init_fn given, small-integer tensors) of the latest batch, once:
+    a training forward takes them, and the next one without a new batch gets (-1, 0, False, [])
+    (a loop that does not fetch a batch per step is not judged by a loader it used before)."""
+    p, workers, init, refs = _loader_last
+    _loader_last[:] = [-1, 0, False, []]
+    return p, workers, init, [t for t in (r() for r in refs) if t is not None]
 
 
 def _loader_iteration() -> list:
@@ -146,6 +178,9 @@ def _loader_iteration() -> list:
             st = [0]
             _loader_yielded[self] = st
             it._trainsan_yielded = st
+            _loader_passes[0] += 1
+            it._trainsan_pass = (_loader_passes[0], int(self.num_workers),
+                                 self.worker_init_fn is not None)
         except Exception:
             pass
         return it
@@ -155,6 +190,12 @@ def _loader_iteration() -> list:
         st = self.__dict__.get("_trainsan_yielded")
         if st is not None:
             st[0] += 1
+        facts = self.__dict__.get("_trainsan_pass")
+        if facts is not None:
+            try:
+                _loader_last[:] = [*facts, _small_ints(out, [])]
+            except Exception:  # noqa: BLE001 - bookkeeping never fails the loop
+                pass
         return out
 
     __iter__.__wrapped__ = orig_iter  # type: ignore[attr-defined]
@@ -163,6 +204,33 @@ def _loader_iteration() -> list:
 
 
 _loader_patch = Patch(_loader_iteration)
+
+
+# nonfinite_grad of a loop that skips its step (Note [Discarded gradients], host/sanitizer.cpp):
+# Optimizer.zero_grad and Module.zero_grad tell the open sanitizers of that optimizer or model
+# that its gradients are about to be cleared, so that gradients no step used are read first.
+def _zero_grad() -> list:
+    orig_opt, orig_mod = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
+
+    def opt_zero_grad(self, *args, **kwargs):
+        for san in list(_watchers.get(self, ())):
+            san._gradients_cleared(self)
+        return orig_opt(self, *args, **kwargs)
+
+    def mod_zero_grad(self, *args, **kwargs):
+        ref = _attached.get(self)
+        san = ref() if ref is not None else None
+        if san is not None and not san.closed:
+            san._gradients_cleared(None)
+        return orig_mod(self, *args, **kwargs)
+
+    opt_zero_grad.__wrapped__ = orig_opt  # type: ignore[attr-defined]
+    mod_zero_grad.__wrapped__ = orig_mod  # type: ignore[attr-defined]
+    return [(torch.optim.Optimizer, "zero_grad", opt_zero_grad),
+            (torch.nn.Module, "zero_grad", mod_zero_grad)]
+
+
+_zero_grad_patch = Patch(_zero_grad)
 
 
 # The loss without watch_loss (Note [Loss roots]): torch.autograd.backward (which

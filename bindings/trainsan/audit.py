@@ -1,4 +1,5 @@
-"""Python side of the op audits (``broadcast``, ``label_range``, ``batch_mismatch``).
+"""Python side of the op audits (``broadcast``, ``label_range``, ``label_dtype``,
+``batch_mismatch``).
 
 The audits themselves run in C++ (host/audit/, Note [Op audit] in host/audit/observer.cpp): an
 ATen RecordFunction observer looks at the ops of a sampled step's forward and loss, for Python

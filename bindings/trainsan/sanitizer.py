@@ -30,7 +30,8 @@ from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Prov
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
 from ._patches import (_attached, _data_restarts, _forward_clock, _loader_patch, _loss_patch,
-                       _save_patch, _scaler_patch, _step_counts, attached_to)
+                       _save_patch, _scaler_patch, _step_counts, _zero_grad_patch, attached_to,
+                       take_loader_facts)
 from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
@@ -162,6 +163,9 @@ class Sanitizer:
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
         self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
         self._last_train_forward = -1  # _forward_clock at this model's latest training forward
+        # A loss of this model went into a backward since the last optimizer step or clear: a
+        # zero_grad then may discard gradients no step used (Note [Discarded gradients]).
+        self._unstepped_backward = False
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
@@ -225,7 +229,8 @@ class Sanitizer:
         self._label_guard = (
             LabelGuard(_weak_method(self._check_target), host_only=not sync)
             if policy == "raise"
-            and (enabled("label_range", checks) or enabled("batch_mismatch", checks))
+            and any(enabled(k, checks)
+                    for k in ("label_range", "label_dtype", "batch_mismatch"))
             else None
         )
         if self._label_guard is not None:
@@ -241,6 +246,7 @@ class Sanitizer:
                     hooks.add(m.register_forward_hook(_Hook(self, "_activation", n)))
         self._parts.append(Held(_scaler_patch))
         self._parts.append(Held(_loader_patch))
+        self._parts.append(Held(_zero_grad_patch))
         # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
         # custom-Function gradcheck (each Function at its first use, then every gradcheck_every).
         if enabled("inplace_before_backward", checks):
@@ -398,8 +404,11 @@ class Sanitizer:
             self._last_train_forward = _forward_clock[0]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
+        lpass, workers, init, batch = (take_loader_facts() if training and torch.is_grad_enabled()
+                                       else (-1, 0, False, []))
         found = self._handle.forward(
-            training, inputs, module_eval, self._take_overhead(), _data_restarts[0]
+            training, inputs, module_eval, self._take_overhead(), _data_restarts[0],
+            lpass, workers, init, batch
         )
         train = training and torch.is_grad_enabled()
         for call in self._calls["on_forward"]:
@@ -457,6 +466,7 @@ class Sanitizer:
             self._amp_skipping.discard(k)
             return  # not counted: the GradScaler patch sees no step and reports the AMP skip
         _step_counts[opt] = _step_counts.get(opt, 0) + 1
+        self._unstepped_backward = False
         if self._closed:
             return
         self._watched.clear()  # a loss is watched once per step (Note [Loss roots])
@@ -516,11 +526,31 @@ class Sanitizer:
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
         self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
 
+    def _gradients_cleared(self, opt) -> None:
+        """zero_grad of optimizer `opt` (None: of the model) is about to run (Note [Discarded
+        gradients])."""
+        if self._closed:
+            return
+        if opt is None:
+            k = -1
+        elif opt in self._optimizers:
+            k = self._optimizers.index(opt)
+        else:
+            return
+        if self._unstepped_backward:
+            # The flags of the backward whose gradients may go unused, before they are read (only
+            # then: a zero_grad between the forward and its backward must not read them early).
+            self._unstepped_backward = False
+            for call in self._calls["before_clear"]:
+                call(k)
+        self._apply(self._handle.gradients_cleared(k))
+
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
         """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
         if self._closed or opt not in self._optimizers:
             return
         k = self._optimizers.index(opt)
+        self._unstepped_backward = False
         for call in self._calls["on_scaler"]:
             call(k, skipped)
         self._apply(self._handle.scaler_step(k, skipped, scale))
@@ -544,7 +574,10 @@ class Sanitizer:
 
     def _auto_loss(self, loss: torch.Tensor) -> None:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
-        if self._closed or not self._first_watch(loss):
+        if self._closed:
+            return
+        self._unstepped_backward = True
+        if not self._first_watch(loss):
             return
         for call in self._calls["on_loss"]:
             call(loss)

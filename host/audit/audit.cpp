@@ -48,7 +48,9 @@ OpAudit::~OpAudit() {
 
 void OpAudit::begin_forward(int64_t step) {
   audit::Core& c = *core_;
-  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch) return;
+  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype) {
+    return;
+  }
   {
     const std::lock_guard<std::mutex> lock(c.mu);
     if (!c.open || c.sink == nullptr) return;
@@ -63,6 +65,19 @@ void OpAudit::begin_forward(int64_t step) {
   }
   c.active.store(true);
   audit::activate(core_);
+}
+
+void OpAudit::set_batch(std::vector<at::Tensor> batch) {
+  if (!core_->cfg.label_dtype) return;
+  std::vector<at::Tensor> small;
+  for (at::Tensor& t : batch) {
+    if (t.defined() && t.layout() == at::kStrided && t.numel() > 0 &&
+        (t.scalar_type() == at::kByte || t.scalar_type() == at::kChar ||
+         t.scalar_type() == at::kShort)) {
+      small.push_back(std::move(t));
+    }
+  }
+  core_->batch = std::move(small);
 }
 
 void OpAudit::pause_this_thread(bool paused) { audit::pause_this_thread(paused); }

@@ -83,6 +83,10 @@ struct Core {
   int64_t step = 0;  // of the audited forward
   Deferred deferred;
   LastTarget last_target;
+  // label_dtype (Note [Label dtype]): the step's small-integer batch tensors, and whether it
+  // was reported.
+  std::vector<at::Tensor> batch;
+  bool label_dtype_found = false;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-// The class-index rules of the op audit (Note [Op audit] in audit/observer.cpp): `label_range`
-// and `batch_mismatch` of cross_entropy, nll_loss, multi_margin_loss and one_hot, on the host or
-// as device flags read back a step later (Note [Lagged checks]).
+// The class-index rules of the op audit (Note [Op audit] in audit/observer.cpp): `label_range`,
+// `label_dtype` (Note [Label dtype]) and `batch_mismatch` of cross_entropy, nll_loss,
+// multi_margin_loss and one_hot, on the host or as device flags read back a step later (Note
+// [Lagged checks]).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -82,6 +84,56 @@ void report_labels(Core& c, const LabelCheck& k, const LabelStats& s, bool from_
          k.step, /*say_now=*/from_op);
 }
 
+// Note [Label dtype]
+// ~~~~~~~~~~~~~~~~~~~
+// Class targets kept in an integer type too small for the class count wrap silently: 300 classes
+// stored as uint8 (a NumPy array, torch.tensor(labels, dtype=torch.uint8)) turn class 300 into
+// 44, and the loss, which needs int64 targets, gets `y.long()` of the wrapped values — nothing
+// fails and label_range sees values in range. What the op audit sees at a class-index loss is the
+// int64 target and the class count C; the dtype the labels were stored in is visible only in the
+// batch the step got (OpAudit::set_batch: the forward's inputs and the other tensors the data
+// loader yielded with them). The rule: a uint8/int8/int16 tensor of that batch with exactly the
+// target's shape, whose values equal the target's (compared on the suspicious path only: its
+// dtype holds fewer than C non-negative values), whose largest value reaches the top quarter of
+// its dtype's range (wrapped labels fill the range up to its top: 192..255 for uint8), while C
+// exceeds what the dtype can hold (256 for uint8, 128 for int8, 32768 for int16). Compact storage
+// that fits (uint8 labels of 10 classes) is silent by C; a head larger than the label set (1000
+// outputs fine-tuned on classes 0..9 kept as uint8) by the labels' largest value; a uint8 mask of
+// the target's shape by the equality. Reported once per sanitizer.
+void check_label_dtype(Core& c, const std::string& op, const at::Tensor& target, int64_t classes,
+                       int64_t step, bool from_op, const std::function<const Source&()>& source) {
+  const OwnOps own;
+  const at::DisableRecordFunctionGuard unobserved;
+  for (const at::Tensor& b : c.batch) {
+    if (b.sizes() != target.sizes()) continue;
+    const int64_t capacity = b.scalar_type() == at::kByte   ? 256
+                             : b.scalar_type() == at::kChar ? 128
+                                                            : 32768;
+    if (classes <= capacity) continue;
+    const at::Tensor v = b.to(at::kCPU).to(at::kLong);  // a sync only on this suspicious path
+    const int64_t hi = v.max().item<int64_t>();
+    if (hi < capacity - capacity / 4) continue;
+    if (!at::equal(v, target.to(at::kCPU).to(at::kLong))) continue;
+    const std::string dt = b.scalar_type() == at::kByte   ? "uint8"
+                           : b.scalar_type() == at::kChar ? "int8"
+                                                          : "int16";
+    const Source& s = source();
+    std::ostringstream msg;
+    msg << "the target of " << op_desc(op, s) << " comes from a " << dt << " tensor of the batch "
+        << shape_str(b.sizes().vec()) << ", but the loss has " << classes << " classes and " << dt
+        << " holds only " << capacity << " non-negative values (this batch's largest label is "
+        << hi << ")" << at_source(s) << " — labels of class " << capacity
+        << " and above wrapped around when they were stored (class " << capacity + 44 << " became "
+        << (capacity == 256 ? 44 : 44 - capacity)
+        << "): keep the labels in int64 (torch.long) from the data set on, e.g. "
+           "torch.tensor(labels, dtype=torch.long) or np.int64";
+    record(c, Kind::label_dtype, finding_name(op, s), msg.str(), static_cast<double>(classes), step,
+           /*say_now=*/from_op);
+    c.label_dtype_found = true;
+    return;
+  }
+}
+
 }  // namespace
 
 void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
@@ -115,7 +167,7 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
   }
   Source src;
   bool have_src = false;
-  auto source = [&]() -> const Source& {
+  const std::function<const Source&()> source = [&]() -> const Source& {
     if (!have_src) src = python_source(c.cfg.skip_frames);
     have_src = true;
     return src;
@@ -131,6 +183,11 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
                " — input and target come from different batches, or a reshape/transpose "
                "moved the batch dimension",
            static_cast<double>(target.size(0)), step, /*say_now=*/from_op);
+  }
+  if (c.cfg.label_dtype && !c.label_dtype_found && !c.batch.empty() &&
+      classes != std::numeric_limits<int64_t>::max() &&
+      at::isIntegralType(target.scalar_type(), /*includeBool=*/false)) {
+    check_label_dtype(c, op, target, classes, step, from_op, source);
   }
   if (!c.cfg.label_range || !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) ||
       target.numel() == 0) {
@@ -153,7 +210,7 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
 
 void on_class_index(Core& c, const OpInfo& info, const char* name,
                     c10::ArrayRef<const c10::IValue> in) {
-  if (!c.cfg.label_range && !c.cfg.batch_mismatch) return;
+  if (!c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype) return;
   if (info.cls == OpClass::kOneHot) {
     if (in.size() < 2 || !in[0].isTensor() || !in[1].isInt()) return;
     check_class_target(c, name, at::Tensor(), in[0].toTensor(), std::nullopt, in[1].toInt(), c.step,

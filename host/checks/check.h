@@ -195,6 +195,10 @@ class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, 
       : sink_(sink), opts_(opts), origins_(origins) {}
   void on_loss(const TensorStats& loss, int64_t step);
   void on_step(const StepView& v);
+  /// Gradients a backward produced that are being cleared without an optimizer step having used
+  /// them (Note [Discarded gradients]): (parameter name, gradient statistics). Returns whether
+  /// one held NaN/Inf.
+  bool on_discarded(const std::vector<std::pair<std::string, TensorStats>>& grads, int64_t step);
   void on_module_output(const ModuleRef& module, const TensorStats& output, int64_t step);
 
  private:
@@ -243,6 +247,9 @@ class StepIntegrityCheck {  // step_integrity.cpp: skipped_step (3 rules), updat
   StepIntegrityCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_forward(const ForwardView& v);  // cleared-unused gradients, max_accumulation
   void on_step(const StepView& v);        // cleared before the step, a step that changed nothing
+  /// Gradients were cleared unused (Note [Discarded gradients]); `nonfinite`: they held NaN/Inf,
+  /// so the loop skipped its step on purpose (a guard): skipped_step's advice says so.
+  void on_discarded(bool nonfinite) { discarded_nonfinite_ = nonfinite; }
   /// update_outside_step: the parameters that changed since the previous step's end.
   void on_step_begin(const std::vector<std::string>& changed, int64_t step);
   /// Whether the last step's gradients were all zero and modified in place before the step, with
@@ -256,6 +263,7 @@ class StepIntegrityCheck {  // step_integrity.cpp: skipped_step (3 rules), updat
   FindingSink& sink_;
   const Options& opts_;
   bool probe_request_ = false;
+  bool discarded_nonfinite_ = false;  // the latest gradients read before a clear held NaN/Inf
 };
 
 class ModeCheck {  // mode.cpp: no_grad_leak, eval_mode (Note [Mode rules])
@@ -280,13 +288,21 @@ class ModeCheck {  // mode.cpp: no_grad_leak, eval_mode (Note [Mode rules])
   std::vector<ModeModule> modules_;
 };
 
-class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data])
+/// Where a step's batch came from, as far as the caller knows (ForwardFacts::loader_*).
+struct LoaderView {
+  int64_t pass = -1;  ///< serial number of the data loader pass; -1: unknown
+  int64_t workers = 0;
+  bool worker_init = false;
+};
+
+class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data], Note [Repeated batches])
  public:
   InputsCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   /// `hash`: one fingerprint of the step's first training inputs (their TensorStats hashes).
   /// `restarts`: how many times so far a data loader was iterated anew after its previous
   /// iterator had yielded only its first batch (of more than one; ForwardFacts::data_restarts).
-  void on_inputs(uint64_t hash, int64_t step, int64_t restarts = 0);
+  /// `loader`: the data loader pass the batch came from (Note [Repeated batches]).
+  void on_inputs(uint64_t hash, int64_t step, int64_t restarts = 0, const LoaderView& loader = {});
   /// A resume at `step` (the model's state was loaded): the next steps' inputs are compared with
   /// those of the steps trained before it (Note [Replayed data]).
   void on_resume(int64_t step);
@@ -304,6 +320,11 @@ class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data])
   int64_t last_restarts_ = 0;
   int64_t changes_in_row_ = 0;  // consecutive steps whose inputs differed from the step before
   bool advancing_ = false;      // the inputs once changed at two consecutive steps
+  // Note [Repeated batches]: the last steps of the current loader pass, (fingerprint, step).
+  void repeated(uint64_t hash, int64_t step, const LoaderView& loader);
+  std::deque<std::pair<uint64_t, int64_t>> recent_;
+  int64_t pass_ = -1;
+  int64_t pass_repeats_ = 0;  // steps of this pass whose batch equals one of its recent ones
 };
 
 /// One loss: the root of a training backward (Python: every scalar backward while attached) or a
@@ -406,13 +427,15 @@ class PrecisionCheck {  // precision.cpp: amp_scale_collapse, update_underflow,
  private:
   struct Scaler {
     int64_t opt = 0;
-    bool stepped = false;     // a step was taken since attach: the scale is past its warm-up
-    int64_t run = 0;          // consecutive skips
-    int64_t skips = 0;        // all skips
-    std::deque<bool> window;  // the last amp_skip_window events after warm-up (true: skipped)
+    bool stepped = false;       // a step was taken since attach: the scale is past its warm-up
+    int64_t run = 0;            // consecutive skips
+    int64_t skips = 0;          // all skips
+    bool backward_nan = false;  // reported a NaN born in the backward (Note [Backward NaN])
+    std::deque<bool> window;    // the last amp_skip_window events after warm-up (true: skipped)
     std::deque<ScaleEntry> history;  // the scales at the last skips and steps (bounded)
   };
   Scaler& scaler(int64_t opt);
+  void backward_nan(Scaler& s, int64_t step);  // Note [Backward NaN]
   void collapse(const Scaler& s, const std::string& why, double value, int64_t step);
   FindingSink& sink_;
   const Options& opts_;

@@ -33,8 +33,29 @@ namespace trainsan::host {
 // unshuffled epochs, a sampler without set_epoch) a match says nothing. The case this cannot tell
 // apart: unshuffled data resumed exactly at its first epoch boundary (its next batch is step 0's,
 // correctly) — reported, as a warning.
+// Note [Repeated batches]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Within one pass over a data loader every batch should be new: a sampler draws each index
+// once. DataLoader workers that share one random state hand the model the same batch more than
+// once: a NumPy Generator or random.Random made in the Dataset's __init__ is copied into every
+// worker process at the same state (the DataLoader reseeds the global torch, random and NumPy
+// RNGs per worker, not an object the dataset holds), so a dataset that draws its samples from it
+// gives each worker the same draws, and the batches arrive as A A B B (2 workers: A B C A B C for
+// 3 that yield in turn); an IterableDataset that every worker iterates whole (not split with
+// get_worker_info()) does the same. The rule: with the loader pass known (ForwardFacts::
+// loader_pass; the Python package numbers DataLoader iterations), a step's input fingerprint
+// equal to one of the last kRecent steps of the same pass counts as a repeat, and the second
+// repeat of a pass is reported, once the pass also had a different batch (constant data is full-
+// batch training, not this). Two repeats in a short window of one pass are not chance for a
+// sampler without replacement; a new pass starts afresh (an unshuffled loader repeats its
+// batches epoch after epoch, correctly; a full-batch loader has one batch per pass). Without the
+// loader pass (LibTorch, batches not from a DataLoader) only the stuck-data rules run: short
+// unshuffled epochs and data echoing cannot be told apart from this without it. Evaluation passes
+// are no training forwards and are not fingerprinted. The worker count and a missing
+// worker_init_fn are named in the message.
 namespace {
 constexpr int64_t kReplaySteps = 3;
+constexpr size_t kRecent = 8;
 constexpr size_t kSeenCap = size_t{1} << 20;
 }  // namespace
 
@@ -50,7 +71,59 @@ void InputsCheck::seed(const std::vector<uint64_t>& hashes, const std::vector<in
   on_resume(0);
 }
 
-void InputsCheck::on_inputs(uint64_t hash, int64_t step, int64_t restarts) {
+void InputsCheck::repeated(uint64_t hash, int64_t step, const LoaderView& loader) {
+  if (loader.pass < 0) return;
+  if (loader.pass != pass_) {
+    pass_ = loader.pass;
+    pass_repeats_ = 0;
+    recent_.clear();
+  }
+  int64_t earlier = -1;
+  bool other = false;
+  for (const auto& [h, s] : recent_) {
+    if (h == hash) {
+      earlier = s;
+    } else {
+      other = true;
+    }
+  }
+  recent_.emplace_back(hash, step);
+  while (recent_.size() > kRecent) recent_.pop_front();
+  if (earlier < 0) return;
+  pass_repeats_ += 1;
+  if (pass_repeats_ < 2 || !other) return;
+  std::string who = "the data loader";
+  if (loader.workers > 1) {
+    who += " (num_workers=" + std::to_string(loader.workers) +
+           (loader.worker_init ? std::string(", with a worker_init_fn")
+                               : std::string(", no worker_init_fn")) +
+           ")";
+  }
+  std::string why =
+      loader.workers > 1
+          ? " — its " + std::to_string(loader.workers) +
+                " worker processes draw the same random numbers: a random state the Dataset "
+                "holds (np.random.default_rng(...), random.Random(...) made in __init__) is "
+                "copied into every worker at the same state, so each worker samples or augments "
+                "alike; reseed it per worker in a worker_init_fn (e.g. from "
+                "torch.utils.data.get_worker_info().seed), or draw from torch's RNG, which the "
+                "DataLoader seeds per worker. An IterableDataset must also split its stream "
+                "between workers (get_worker_info())"
+          : " — the dataset or sampler yields the same samples again within one pass (a random "
+            "state that is reset or copied, indices that repeat); each batch of a pass should "
+            "be new";
+  sink_.add(Kind::duplicate_batch, "",
+            "the training forward received exactly the same inputs (bit for bit) as at step " +
+                std::to_string(earlier) + ", within the same pass over " + who + ", " +
+                std::to_string(pass_repeats_) +
+                " times in this pass while its other batches "
+                "differ" +
+                why,
+            static_cast<double>(step - earlier), step);
+}
+
+void InputsCheck::on_inputs(uint64_t hash, int64_t step, int64_t restarts,
+                            const LoaderView& loader) {
   if (replay_left_ > 0) {
     replay_left_ -= 1;
     const auto it = seen_.find(hash);
@@ -71,6 +144,8 @@ void InputsCheck::on_inputs(uint64_t hash, int64_t step, int64_t restarts) {
     repeated_ = true;  // the data repeats by design (before any resume)
   }
 
+  const bool stuck = last_hash_ && *last_hash_ == hash && (restarts > last_restarts_ || advancing_);
+  if (!stuck) repeated(hash, step, loader);
   if (last_hash_ && *last_hash_ == hash) {
     const bool restarted = restarts > last_restarts_;
     if (restarted) {

@@ -68,6 +68,30 @@ void NonfiniteCheck::on_step(const StepView& v) {
   }
 }
 
+bool NonfiniteCheck::on_discarded(const std::vector<std::pair<std::string, TensorStats>>& grads,
+                                  int64_t step) {
+  // Note [Discarded gradients] (sanitizer.cpp): gradients cleared without a step that used them.
+  bool first = true;
+  for (const auto& [name, g] : grads) {
+    if (g.nonfinite() == 0) continue;
+    if (first) origins_.rearm(step);
+    const std::string origin = first ? origins_.describe(step) : std::string();
+    first = false;
+    sink_.add(Kind::nonfinite_grad, name,
+              name + ".grad holds " + nonfinite_text(g) +
+                  " and is being cleared without an optimizer step having used it — a loop that "
+                  "skips the step when the gradients are not finite hides the NaN/Inf, and the "
+                  "model stops training while it repeats; find where it is made (log/sqrt/"
+                  "division of zero or negative values, an op whose backward divides by 0, too "
+                  "large a learning rate, fp16 overflow)" +
+                  (origin.empty() ? std::string("; torch.autograd.set_detect_anomaly(True) "
+                                                "names the op")
+                                  : "." + origin),
+              static_cast<double>(g.nonfinite()), step);
+  }
+  return !first;
+}
+
 void NonfiniteCheck::on_module_output(const ModuleRef& module, const TensorStats& output,
                                       int64_t step) {
   if (output.nonfinite() == 0) return;

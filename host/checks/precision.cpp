@@ -181,6 +181,7 @@ void PrecisionCheck::on_scaler(const ScalerStep& e, int64_t step) {
     s.run = 0;
   }
   if (!e.skipped) s.stepped = true;
+  if (e.skipped) backward_nan(s, step);
   if (!std::isnan(e.scale) && e.scale < 1.0) {
     collapse(s,
              "its scale fell to " + fmt(e.scale) +
@@ -206,6 +207,40 @@ void PrecisionCheck::on_scaler(const ScalerStep& e, int64_t step) {
                  std::to_string(s.window.size()) + " steps",
              static_cast<double>(in_window), step);
   }
+}
+
+// Note [Backward NaN]
+// ~~~~~~~~~~~~~~~~~~~
+// A gradient scaler skips the steps whose gradients hold Inf/NaN and halves its scale: right for
+// an fp16 overflow of the scaled gradients (warm-up from 65536, a spike), useless for a NaN the
+// backward makes whatever the scale (the gradient of log or sqrt at 0 behind a torch.where, a
+// norm of a zero vector): the scaler then skips every step, and amp_scale_collapse could speak
+// only after some 17 halvings brought the scale below 1. The armed module hooks tell the two
+// apart (Note [Overflow provenance]; a skip re-arms them, so the second skip in a row is armed):
+// at the second consecutive skip, when the provenance of that step names a backward origin that
+// holds NaN (not ±Inf only: an overflow is Inf where it happens), the forward was finite (no
+// forward origin: the loss is not the cause), and no value flagged before it in the backward came
+// near the fp16 range (prior_absmax below 2^14: an overflow turned into NaN by the op that made
+// it, Inf - Inf, is not this), nonfinite_grad names that origin. Once per scaler. Warm-up skips
+// (±Inf at first) and a one-off NaN (one skip) stay silent.
+void PrecisionCheck::backward_nan(Scaler& s, int64_t step) {
+  if (s.backward_nan || s.run < 2) return;
+  const Provenance* p = origins_.at(step);
+  if (p == nullptr || !p->backward || p->forward || p->backward->inf_only) return;
+  if (p->backward->prior_absmax >= 16384.0) return;
+  s.backward_nan = true;
+  const ModuleOrigin& o = *p->backward;
+  sink_.add(Kind::nonfinite_grad, o.module.empty() ? "<model>" : o.module,
+            "the gradient scaler of optimizer " + std::to_string(s.opt) + " skipped " +
+                std::to_string(s.run) +
+                " steps in a row because the gradients hold NaN, and the NaN is made in the "
+                "backward, not by an overflow of the scaled loss (the forward was finite; the "
+                "first non-finite gradient holds NaN, not ±Inf): it appeared at " +
+                origin_text(o) +
+                " — lowering the scale will not remove it, so the scaler will skip every step; "
+                "fix the op (a log/sqrt/division whose input reaches 0 behind a torch.where or "
+                "mask still has a NaN gradient: clamp its input first)",
+            static_cast<double>(s.run), step);
 }
 
 void PrecisionCheck::collapse(const Scaler& s, const std::string& why, double value, int64_t step) {

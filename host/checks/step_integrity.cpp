@@ -15,10 +15,18 @@ void StepIntegrityCheck::on_forward(const ForwardView& v) {
   // report them at the next training forward, since no optimizer step may ever come.
   if (!v.skipped.empty()) {
     const std::string& first = v.skipped.front();
+    // Note [Discarded gradients]: the cleared gradients held NaN/Inf: a guard skipped the step.
+    const std::string advice =
+        discarded_nonfinite_
+            ? " — the cleared gradients held NaN/Inf (see nonfinite_grad), so the loop skipped "
+              "its steps on purpose: the step is not missing, the non-finite gradients are the "
+              "bug; fix where they are made (skipping them stops the training while it repeats)"
+            : " — call optimizer.step() after backward()";
     sink_.add(Kind::skipped_step, first,
               "gradients of " + std::to_string(v.skipped.size()) + " parameter(s) (e.g. " + first +
                   ") were produced by backward() and then cleared by zero_grad() without any "
-                  "optimizer.step() using them — call optimizer.step() after backward()",
+                  "optimizer.step() using them" +
+                  advice,
               static_cast<double>(v.skipped.size()), v.step);
   }
   if (v.have_optimizer && v.backwards_since_step > opts_.max_accumulation) {

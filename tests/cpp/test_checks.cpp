@@ -454,6 +454,82 @@ TEST(InputsCheck, RepeatsWithoutTheStuckSignatureAreSilent) {
   EXPECT_TRUE(sink.calls.empty());
 }
 
+bool has(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Note [Repeated batches]: loader pass 1; workers, worker_init_fn.
+LoaderView pass_of(int64_t pass, int64_t workers = 2, bool init = false) {
+  return LoaderView{pass, workers, init};
+}
+
+TEST(InputsCheck, SharedRngWorkersRepeatBatchesWithinAPass) {
+  FakeSink sink;
+  Options o;
+  InputsCheck c(sink, o);
+  // Two workers that draw the same samples: A A B B C C.
+  const uint64_t seq[] = {10, 10, 11, 11, 12, 12};
+  for (int64_t s = 0; s < 3; ++s) c.on_inputs(seq[s], s, 0, pass_of(1));
+  EXPECT_TRUE(sink.calls.empty());        // one repeat (step 1), and no other batch before it
+  c.on_inputs(seq[3], 3, 0, pass_of(1));  // the second repeat of the pass, with B != A
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::duplicate_batch);
+  EXPECT_EQ(sink.calls[0].step, 3);
+  EXPECT_EQ(sink.calls[0].value, 1.0);  // one step back
+  EXPECT_TRUE(has(sink.calls[0].message,
+                  "as at step 2, within the same pass over the data "
+                  "loader (num_workers=2, no worker_init_fn), 2 times"))
+      << sink.calls[0].message;
+  EXPECT_TRUE(has(sink.calls[0].message, "worker_init_fn")) << sink.calls[0].message;
+}
+
+TEST(InputsCheck, PeriodicRepeatsWithinAPass) {
+  FakeSink sink;
+  Options o;
+  InputsCheck c(sink, o);
+  // A B C A B C: lag 3; reported at the second repeat (step 4), lag 3.
+  for (int64_t s = 0; s < 4; ++s) c.on_inputs(static_cast<uint64_t>(s % 3), s, 0, pass_of(7, 3));
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_inputs(1, 4, 0, pass_of(7, 3));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].value, 3.0);
+  EXPECT_TRUE(has(sink.calls[0].message, "num_workers=3")) << sink.calls[0].message;
+  // A repeat 9 steps back is outside the window of 8.
+  FakeSink far;
+  InputsCheck d(far, o);
+  for (int64_t s = 0; s < 9; ++s) d.on_inputs(static_cast<uint64_t>(s), s, 0, pass_of(1));
+  d.on_inputs(0, 9, 0, pass_of(1));
+  d.on_inputs(1, 10, 0, pass_of(1));
+  EXPECT_TRUE(far.calls.empty());
+}
+
+TEST(InputsCheck, RepeatsAcrossPassesOrWithoutLoaderAreSilent) {
+  FakeSink sink;
+  Options o;
+  {
+    InputsCheck c(sink, o);  // an unshuffled loader of 2 batches: A B | A B | A B
+    for (int64_t s = 0; s < 8; ++s) c.on_inputs(static_cast<uint64_t>(s % 2), s, 0, pass_of(s / 2));
+  }
+  {
+    InputsCheck c(sink, o);  // full-batch loader: one batch per pass
+    for (int64_t s = 0; s < 8; ++s) c.on_inputs(5, s, 0, pass_of(s + 1, 0));
+  }
+  {
+    InputsCheck c(sink, o);  // constant data within a pass (every batch the same)
+    for (int64_t s = 0; s < 8; ++s) c.on_inputs(5, s, 0, pass_of(1, 2));
+  }
+  {
+    InputsCheck c(sink, o);  // A B A B without a known loader pass (LibTorch): not judged
+    for (int64_t s = 0; s < 8; ++s) c.on_inputs(static_cast<uint64_t>(s % 2), s);
+  }
+  {
+    InputsCheck c(sink, o);  // a single repeat in a pass (chance, a sampler with replacement)
+    const uint64_t seq[] = {1, 2, 3, 1, 4, 5, 6, 7, 8, 9};
+    for (int64_t s = 0; s < 10; ++s) c.on_inputs(seq[s], s, 0, pass_of(1));
+  }
+  EXPECT_TRUE(sink.calls.empty());
+}
+
 TEST(InputsCheck, StuckAfterAdvancing) {
   FakeSink sink;
   Options o;

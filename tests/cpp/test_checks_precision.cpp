@@ -121,6 +121,77 @@ ModuleOrigin origin(const std::string& module, bool backward = false) {
   return o;
 }
 
+// Note [Backward NaN]: a NaN born in the backward at consecutive scaler skips.
+Provenance backward_nan(int64_t step, bool inf_only = false, double prior = 0.0) {
+  Provenance p;
+  p.step = step;
+  p.forward_checked = 5;
+  p.backward_checked = 5;
+  ModuleOrigin b = origin("fc1", true);
+  b.inf_only = inf_only;
+  b.prior_absmax = prior;
+  b.prior_where = prior > 0.0 ? "the output of head (float16)" : "";
+  p.backward = b;
+  return p;
+}
+
+TEST(PrecisionCheck, BackwardNaNAtTheSecondSkip) {
+  FakeSink sink;
+  Options o;
+  Origins origins(o);
+  PrecisionCheck c(sink, o, origins);
+  origins.record(backward_nan(0));
+  c.on_scaler(scaler(true, 65536.0), 0);  // the first skip: silent
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_scaler(scaler(true, 32768.0), 0);  // a skipped step keeps its number
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::nonfinite_grad);
+  EXPECT_EQ(sink.calls[0].tensor, "fc1");
+  EXPECT_EQ(sink.calls[0].value, 2.0);
+  EXPECT_TRUE(has(sink.calls[0].message, "skipped 2 steps in a row")) << sink.calls[0].message;
+  EXPECT_TRUE(has(sink.calls[0].message, "the gradient of the output of fc1"))
+      << sink.calls[0].message;
+  c.on_scaler(scaler(true, 16384.0), 0);  // once per scaler
+  EXPECT_EQ(sink.calls.size(), 1u);
+}
+
+TEST(PrecisionCheck, OverflowSkipsAreNotABackwardNaN) {
+  FakeSink sink;
+  Options o;
+  {
+    Origins origins(o);  // warm-up: the first non-finite gradient is ±Inf (an overflow)
+    PrecisionCheck c(sink, o, origins);
+    origins.record(backward_nan(0, /*inf_only=*/true));
+    for (int i = 0; i < 3; ++i) c.on_scaler(scaler(true, 65536.0 / (1 << i)), 0);
+  }
+  {
+    Origins origins(o);  // NaN after a value near the fp16 range: an overflow turned NaN
+    PrecisionCheck c(sink, o, origins);
+    origins.record(backward_nan(0, false, 16384.0));
+    for (int i = 0; i < 3; ++i) c.on_scaler(scaler(true, 65536.0 / (1 << i)), 0);
+  }
+  {
+    Origins origins(o);  // the forward is the origin (the loss itself is NaN)
+    PrecisionCheck c(sink, o, origins);
+    Provenance p = backward_nan(0);
+    ModuleOrigin f = origin("fc0");
+    f.inf_only = false;
+    p.forward = f;
+    origins.record(p);
+    for (int i = 0; i < 3; ++i) c.on_scaler(scaler(true, 65536.0 / (1 << i)), 0);
+  }
+  {
+    Origins origins(o);  // one skip only, then steps
+    PrecisionCheck c(sink, o, origins);
+    origins.record(backward_nan(3, false, 16383.0));
+    c.on_scaler(scaler(true, 1024.0), 3);
+    c.on_scaler(scaler(false, 512.0), 3);
+    c.on_scaler(scaler(true, 512.0), 4);  // no provenance kept for step 4
+    c.on_scaler(scaler(true, 256.0), 4);
+  }
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+}
+
 TEST(Origins, ArmedOnSampledStepsAndAfterANonFiniteValue) {
   Options o;
   o.provenance_every = 10;

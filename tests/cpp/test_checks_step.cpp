@@ -185,6 +185,46 @@ TEST(StepIntegrityCheck, ClearedUnusedGradientsAtTheNextTrainingForward) {
   EXPECT_EQ(sink.calls[0].step, 2);
 }
 
+// Note [Discarded gradients]: gradients read before a clear; skipped_step's advice follows them.
+TEST(StepIntegrityCheck, DiscardedNonFiniteGradientsNameTheGuard) {
+  FakeSink sink;
+  Options o;
+  Origins origins(o);
+  NonfiniteCheck n(sink, o, origins);
+  StepIntegrityCheck c(sink, o);
+  TensorStats clean = testing::stats(1.0);
+  TensorStats bad = testing::stats(1.0);
+  bad.nan = 3;
+  EXPECT_FALSE(n.on_discarded({{"fc.weight", clean}}, 0));
+  EXPECT_TRUE(sink.calls.empty());
+  const bool found = n.on_discarded({{"fc.weight", clean}, {"fc.bias", bad}}, 0);
+  EXPECT_TRUE(found);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::nonfinite_grad);
+  EXPECT_EQ(sink.calls[0].tensor, "fc.bias");
+  EXPECT_EQ(sink.calls[0].value, 3.0);
+  EXPECT_NE(sink.calls[0].message.find("being cleared without an optimizer step"),
+            std::string::npos);
+  EXPECT_TRUE(origins.armed(1));  // the next steps name the origin
+  c.on_discarded(found);
+  ForwardView f;
+  f.step = 0;
+  f.skipped = {"fc.weight"};
+  c.on_forward(f);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[1].kind, Kind::skipped_step);
+  EXPECT_NE(sink.calls[1].message.find("held NaN/Inf (see nonfinite_grad)"), std::string::npos);
+  EXPECT_EQ(sink.calls[1].message.find("call optimizer.step() after backward()"),
+            std::string::npos);
+  // Finite gradients cleared unused later: the ordinary advice again.
+  c.on_discarded(false);
+  f.skipped = {"fc.bias"};
+  c.on_forward(f);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_NE(sink.calls[2].message.find("call optimizer.step() after backward()"),
+            std::string::npos);
+}
+
 TEST(StepIntegrityCheck, MaxAccumulationBoundary) {
   FakeSink sink;
   Options o;

@@ -219,6 +219,21 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
                  }
                }));
   }
+  // 300 classes whose labels were stored as uint8 (wrapped), given with the batch: label_dtype.
+  expect("label_dtype",
+         run(1, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           torch::manual_seed(3000 + i);
+           const torch::Tensor y8 = torch::randint(0, 300, {32}).to(torch::kByte);
+           const torch::Tensor x = batch(i);
+           s.begin_step({x, y8});
+           iteration(
+               n, o, s, i,
+               [&](const torch::Tensor& out, int) {
+                 return torch::nn::functional::cross_entropy(out.repeat({1, 100}),
+                                                             y8.to(torch::kLong));
+               },
+               true, true, x);
+         }));
   // New batches, then the same one again: the data stopped advancing.
   expect("duplicate_batch",
          run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {

@@ -27,6 +27,7 @@ IMPLEMENTED = {
     "eval_mode": "warning",
     "broadcast": "error",
     "label_range": "error",
+    "label_dtype": "error",
     "batch_mismatch": "error",
     "duplicate_batch": "warning",
     "fp16_overflow": "warning",

@@ -1,4 +1,5 @@
-"""Bug-zoo cases of the op audits: ``broadcast``, ``label_range``, ``batch_mismatch``.
+"""Bug-zoo cases of the op audits: ``broadcast``, ``label_range``, ``label_dtype``,
+``batch_mismatch``.
 
 Registered into the zoo (zoo.py imports this module before it builds ``BUGGY``/``CLEAN``), so
 tests/python/test_zoo.py and bench/zoo_score.py run them with the others. The clean loops use
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -146,6 +148,61 @@ def _lr_padding(ctx):
         return F.cross_entropy(logits.reshape(-1, 20), tgt.reshape(-1))
 
     _train_skipping_failures(model, opt, san, batch, loss_fn)
+
+
+# --- label_dtype ------------------------------------------------------------------------------
+
+
+class _StoredLabels(torch.utils.data.Dataset):
+    """Features and labels as a data set file holds them: NumPy arrays, the labels in the type
+    the writer chose."""
+
+    def __init__(self, classes, label_dtype, n=128, shape=(8,)):
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((n, *shape)).astype(np.float32)
+        self.y = rng.integers(0, classes, n).astype(label_dtype)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.x[i]), self.y[i]
+
+
+def _train_on_stored_labels(model, opt, san, loader):
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y.long())  # cross_entropy takes int64 targets
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("label_dtype/uint8_labels_300_classes_mlp", "label_dtype", 0, "mlp", "Adam",
+      "300 class labels saved as a uint8 NumPy array: classes 256..299 wrapped to 0..43, and "
+      "y.long() at the loss hides it (every value is in range)")
+def _ld_uint8(ctx):
+    model = make_mlp(dout=300)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    loader = torch.utils.data.DataLoader(_StoredLabels(300, np.uint8), batch_size=16,
+                                         shuffle=True)
+    _train_on_stored_labels(model, opt, san, loader)
+
+
+@case("label_dtype/torch_uint8_labels_400_classes_cnn", "label_dtype", 0, "cnn", "SGD",
+      "labels of 400 classes kept as torch.uint8 to save memory (torch.tensor(labels, "
+      "dtype=torch.uint8) wraps them silently), trained from a TensorDataset")
+def _ld_tensor(ctx):
+    model = SmallCNN(classes=400)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    san = ctx.attach(model, opt)
+    labels = [int(v) for v in torch.randint(0, 400, (96,))]
+    y = torch.tensor([v % 256 for v in labels], dtype=torch.uint8)  # what uint8 storage keeps
+    data = torch.utils.data.TensorDataset(torch.randn(96, 1, 8, 8), y)
+    loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+    _train_on_stored_labels(model, opt, san, loader)
 
 
 # --- batch_mismatch ---------------------------------------------------------------------------
@@ -406,3 +463,16 @@ def _c_ignore_index(ctx):
         loss = loss + F.nll_loss(F.log_softmax(logits, -1).transpose(1, 2), tgt)
         san.watch_loss(loss).backward()
         opt.step()
+
+
+@case("clean/compact_uint8_labels_mlp", None, None, "mlp", "SGD",
+      "labels of 10 classes stored as uint8 (CIFAR-style compact storage) and cast with "
+      "y.long() at the loss; and a 300-way head fine-tuned on 10 of its classes stored as uint8")
+def _clean_compact_labels(ctx):
+    for head in (10, 300):
+        model = make_mlp(dout=head)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        san = ctx.attach(model, opt, label=f"head{head}")
+        loader = torch.utils.data.DataLoader(_StoredLabels(10, np.uint8), batch_size=16,
+                                             shuffle=True)
+        _train_on_stored_labels(model, opt, san, loader)

@@ -20,6 +20,7 @@ struct Coverage {
   int64_t inputs_fingerprinted = 0;  ///< steps whose training inputs were fingerprinted
   int64_t audited_forwards = 0;      ///< training forwards the op audit observed
   int64_t ops_audited = 0;           ///< ops the audit rules looked at
+  int64_t discards_checked = 0;      ///< unused gradients read before a clear (nonfinite_grad)
   /// Enabled kinds that never had what they need, with the reason.
   std::vector<std::pair<std::string, std::string>> unchecked;
 };

@@ -122,6 +122,15 @@ struct ForwardFacts {
   /// The optimizer whose parameters this forward read (a GAN's generator or discriminator), so
   /// that the mode rules count it for that optimizer only; -1: every optimizer of the model.
   int64_t opt = -1;
+  /// The data loader pass (one iteration over a loader: a serial number) the step's batch came
+  /// from; -1 where unknown (duplicate_batch's repeats within a pass: Note [Repeated batches]).
+  int64_t loader_pass = -1;
+  /// That loader's worker processes, and whether it was given a worker_init_fn.
+  int64_t loader_workers = 0;
+  bool loader_worker_init = false;
+  /// Other tensors of the step's batch than the forward's inputs (the labels a loader yields
+  /// next to them): label_dtype compares a loss's class targets with the small-integer ones.
+  std::vector<at::Tensor> batch = {};
 };
 
 /// What one run of a training step's forward and backward produced, for the nondeterminism
@@ -227,6 +236,10 @@ class Sanitizer {
   /// The GradScaler skipped the step of optimizer `opt` because of Inf/NaN gradients (a
   /// scaler_step with an unknown scale).
   void amp_skip(int64_t opt);
+  /// The gradients of optimizer `opt` (-1: every parameter) are about to be cleared
+  /// (zero_grad): those a backward produced since the last optimizer step that no step used are
+  /// read first (nonfinite_grad of a loop that skips its step: Note [Discarded gradients]).
+  void gradients_cleared(int64_t opt);
   /// A gradient scaler's step (amp_scale_collapse; traced): skipped or taken, and its scale.
   void scaler_step(const ScalerStep& step);
   /// Whether the current step's training forward and backward get the overflow-provenance flags
