@@ -362,7 +362,16 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   readback.push_or_consume(start_host_copy(tensor_stats_packed({loss.detach()})),
                            ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
                              v.stats = unpack_stats(host)[0];
-                             checks.nonfinite.on_loss(v.stats, v.step);  // first
+                             // The audit's class-index facts of this step are in by now (Note
+                             // [Lagged checks]: label flags drain before the losses).
+                             const ClassTargetFacts t = audit->class_targets(v.step);
+                             v.class_calls = t.calls;
+                             v.class_targets = t.targets;
+                             v.class_valid = t.valid;
+                             v.class_empty_calls = t.empty_calls;
+                             v.classes = t.classes;
+                             checks.nonfinite.on_loss(v.stats, v.step,  // first
+                                                      t.empty_calls > 0);
                              checks.loss.on_loss(v);
                              checks.precision.on_loss(v);
                              coverage.losses_checked += 1;

@@ -193,14 +193,20 @@ class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, 
  public:
   NonfiniteCheck(FindingSink& sink, const Options& opts, Origins& origins)
       : sink_(sink), opts_(opts), origins_(origins) {}
-  void on_loss(const TensorStats& loss, int64_t step);
+  /// `empty_targets`: the audit saw a class-index loss call of this step whose targets were all
+  /// ignore_index (a mean over no element is 0/0): the NaN is empty_loss's unless the step's
+  /// gradients are not finite (decided in on_step).
+  void on_loss(const TensorStats& loss, int64_t step, bool empty_targets = false);
   void on_step(const StepView& v);
   void on_module_output(const ModuleRef& module, const TensorStats& output, int64_t step);
 
  private:
+  void report_loss(const TensorStats& loss, int64_t step);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
   Origins& origins_;
+  // A NaN loss explained by an all-ignored target, waiting for its step's gradients.
+  std::optional<std::pair<TensorStats, int64_t>> pending_loss_;
 };
 
 class GradientFlowCheck {  // gradient_flow.cpp: missing_grad, stale_grad, param_not_in_optimizer,
@@ -313,9 +319,19 @@ struct LossView {
   TensorStats stats;     ///< value: sum / numel (a scalar's value)
   std::string dtype;     ///< "float16", "bfloat16", "float32", ... ("" where unknown)
   bool in_step = false;  ///< evaluated inside an optimizer step (a closure): not a step's loss
+  /// What the op audit saw of this step's class-index loss ops (cross_entropy, nll_loss; audited
+  /// steps with label_range on): calls, targets that are not ignore_index summed over them, calls
+  /// whose targets were all ignore_index, and the largest class count C. calls == 0: none seen
+  /// (not audited, or no such op).
+  int64_t class_calls = 0;
+  int64_t class_targets = 0;
+  int64_t class_valid = 0;
+  int64_t class_empty_calls = 0;
+  int64_t classes = 0;
 };
 
-class LossCheck {  // loss.cpp: loss_spike, trivial_loss (nonfinite_loss is NonfiniteCheck's)
+class LossCheck {  // loss.cpp: loss_spike, trivial_loss, empty_loss (nonfinite_loss:
+                   // NonfiniteCheck)
  public:
   LossCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_loss(const LossView& v);
@@ -323,12 +339,27 @@ class LossCheck {  // loss.cpp: loss_spike, trivial_loss (nonfinite_loss is Nonf
  private:
   void spike(double x, int64_t step);
   void trivial(const LossView& v, double x);
+  void collapse(double x, int64_t step);
+  void empty(const LossView& v);
   FindingSink& sink_;
   const Options& opts_;
-  // loss_spike: one stream per sanitizer, the most recent loss_spike_window finite losses.
+  // loss_spike: one stream per sanitizer, the most recent loss_spike_window finite losses that
+  // were not flagged (Note [Loss stream]).
   std::vector<double> window_;  // ring buffer
   size_t next_ = 0;
   int64_t seen_ = 0;
+  double largest_ = 0.0;         // the largest unflagged loss so far (the warm-up rule)
+  int64_t flagged_run_ = 0;      // consecutive flagged losses (a level shift after kPersist)
+  std::vector<int64_t> spikes_;  // steps of the reported spikes, the last few
+  // trivial_loss's collapse: the class count, the recent losses and whether it was reported.
+  int64_t classes_ = 0;
+  std::vector<double> recent_;  // ring buffer of the last kCollapseWindow losses
+  size_t recent_next_ = 0;
+  bool collapsed_ = false;
+  // empty_loss: audited steps with class-index targets, those with an all-ignored call.
+  int64_t target_steps_ = 0;
+  int64_t empty_steps_ = 0;
+  int64_t last_target_step_ = -1;
   // trivial_loss: the first finite loss, and whether every loss since had its bits.
   std::optional<double> first_;
   uint64_t first_hash_ = 0;
