@@ -114,7 +114,7 @@ class CharLM(torch.nn.Module):
         return self.head(self.rnn(self.emb(x))[0])
 
 
-def _char_lm(shift, steps=200):
+def _char_lm(shift, steps=250):
     torch.manual_seed(0)
     vocab = sorted(set(TEXT))
     ids = torch.tensor([vocab.index(c) for c in TEXT])
@@ -136,7 +136,7 @@ def _char_lm(shift, steps=200):
 def test_unshifted_next_token_targets_collapse():
     san = _char_lm(shift=False)
     (f,) = _of(san, "trivial_loss")
-    assert 30 <= f.step < 200
+    assert 30 <= f.step < 250  # ~170 (the mean of the last 20 losses at 3e-3 x ln 27)
     assert "the loss of an untrained model, ln 27 classes" in f.message, f.message
     assert "next-token targets not shifted" in f.message
 
@@ -222,7 +222,7 @@ def test_completion_only_mask_covering_no_token_is_found_with_the_fraction():
     assert f.step == 1  # the second audited step with an all-ignored target
     assert "was ignore_index on 2 of the 2 audited steps (100%)" in f.message, f.message
     assert "completion-only mask that covers no token" in f.message
-    assert f.count == 10  # audit_first_steps=10: steps 1..9 counted again, step 10 not audited
+    assert f.count == 9  # steps 1..9 (audit_first_steps=10); steps 10, 11 are not audited
     assert not _of(san, "nonfinite_loss")
 
 
