@@ -328,6 +328,9 @@ struct LossView {
   int64_t class_valid = 0;
   int64_t class_empty_calls = 0;
   int64_t classes = 0;
+  /// The step outcome this loss belongs to (SanitizerImpl's sequence of the outcomes of steps
+  /// with losses: LossCheck::on_outcome); -1: none, judged at once.
+  int64_t outcome = -1;
 };
 
 class LossCheck {  // loss.cpp: loss_spike, trivial_loss, empty_loss (nonfinite_loss:
@@ -335,9 +338,21 @@ class LossCheck {  // loss.cpp: loss_spike, trivial_loss, empty_loss (nonfinite_
  public:
   LossCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_loss(const LossView& v);
+  /// A loss scaler reports its steps: from now on loss_spike waits for each loss's step outcome.
+  void on_scaler() { scaler_ = true; }
+  /// The outcome of the step whose losses carry `outcome` (LossView::outcome): `skipped` when a
+  /// loss scaler skipped it (Inf/NaN in the scaled gradients), else it stepped or ended. Judges
+  /// the losses that waited for it (Note [Loss stream]).
+  void on_outcome(int64_t outcome, bool skipped);
+  /// close(): judge the losses still waiting (their step never ended), as of steps that ran.
+  void flush();
+  /// The fingerprint of a step's training inputs (its first grad-enabled forward): whether the
+  /// run fits one fixed batch (trivial_loss's collapse rule judges fresh batches only).
+  void on_inputs(uint64_t hash);
 
  private:
-  void spike(double x, int64_t step);
+  void spike(double x, int64_t step, bool skipped);
+  bool was_skipped(int64_t outcome) const;
   void trivial(const LossView& v, double x);
   void collapse(double x, int64_t step);
   void empty(const LossView& v);
@@ -351,11 +366,24 @@ class LossCheck {  // loss.cpp: loss_spike, trivial_loss, empty_loss (nonfinite_
   double largest_ = 0.0;         // the largest unflagged loss so far (the warm-up rule)
   int64_t flagged_run_ = 0;      // consecutive flagged losses (a level shift after kPersist)
   std::vector<int64_t> spikes_;  // steps of the reported spikes, the last few
+  // Waiting for their step's outcome (a loss scaler in use): value, step, outcome.
+  struct Waiting {
+    double x;
+    int64_t step;
+    int64_t outcome;
+  };
+  bool scaler_ = false;
+  std::deque<Waiting> waiting_;
+  int64_t resolved_ = 0;         // outcomes below this one are known
+  std::deque<int64_t> skipped_;  // the recent outcomes a loss scaler skipped
   // trivial_loss's collapse: the class count, the recent losses and whether it was reported.
   int64_t classes_ = 0;
   std::vector<double> recent_;  // ring buffer of the last kCollapseWindow losses
   size_t recent_next_ = 0;
   bool collapsed_ = false;
+  uint64_t last_inputs_ = 0;
+  int64_t fresh_inputs_ = 0;     // steps whose inputs differed from the step before
+  int64_t repeated_inputs_ = 0;  // steps whose inputs were the step before's
   // empty_loss: audited steps with class-index targets, those with an all-ignored call.
   int64_t target_steps_ = 0;
   int64_t empty_steps_ = 0;

@@ -178,23 +178,12 @@ MASKED_BATCH_LOOPS = {
     "clean/fully_masked_batches_clipped_in_place_gru",
 }
 
-# Clean loops (for the step kinds) that plant losses orders of magnitude too large on purpose, to
-# make the GradScaler skip (inputs x 1e6 at step 4: 0.84 -> 8e10; the loss x 1e30 at two steps):
-# loss_spike reports such jumps from the second loss on (a warning), each one (a spike does not
-# hide the next); the scaler's skipped steps themselves are legitimate. Name -> first spike.
-OUTLIER_BATCH_LOOPS = {"clean/grad_scaler_skip_mlp": 4, "clean/fp16_scaler_occasional_skips_mlp": 1}
-
 
 @pytest.mark.parametrize("case", zoo.CLEAN, ids=lambda c: c.name)
 def test_clean_zoo_loops_are_silent_on_the_loss_kinds(case):
     r = zoo.run_case(case)
     assert r.exception is None, r.report()
     allowed = {"trivial_loss"} if case.name in MASKED_BATCH_LOOPS else set()
-    if case.name in OUTLIER_BATCH_LOOPS:
-        allowed.add("loss_spike")
-        spikes = [f for f in r.findings if f.kind == "loss_spike"]
-        assert [f.step for f in spikes] == [OUTLIER_BATCH_LOOPS[case.name]], r.report()
-        assert spikes[0].value > 1e10, r.report()
     loud = [f for f in r.findings if f.kind in LOSS_KINDS - allowed]
     assert not loud, r.report()
     if case.name in MASKED_BATCH_LOOPS:
