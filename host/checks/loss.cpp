@@ -46,8 +46,8 @@ namespace trainsan::host {
 // (SanitizerImpl numbers the outcomes: a step end, or the scaler's report, whichever comes first
 // after the loss — GradScaler reports after the optimizer's step end, a skip instead of one; a
 // LibTorch end_step(loss) after the scaler's report) and is judged then: a spike of a step that
-// ran is reported at its step end (policy raise: in the optimizer step, after the update), one
-// whose step never ended at close. On a GPU the loss is read back after its outcome and judged
+// ran is reported at its step end (its warning comes from the optimizer step, after the update),
+// one whose step never ended at close. On a GPU the loss is read back after its outcome and judged
 // at once. Without a scaler a loss is judged when it is read, as before.
 //
 // trivial_loss looks at the losses of the first trivial_loss_steps steps: a loss that is exactly
