@@ -25,6 +25,17 @@ namespace audit {
 struct Core;
 }  // namespace audit
 
+/// What the audit saw of one step's class-index loss calls (cross_entropy, nll_loss,
+/// multi_margin_loss; not one_hot): calls, targets, targets that are not ignore_index, calls
+/// whose targets were all ignore_index, the largest class count. Read with label_range on.
+struct ClassTargetFacts {
+  int64_t calls = 0;
+  int64_t targets = 0;
+  int64_t valid = 0;
+  int64_t empty_calls = 0;
+  int64_t classes = 0;
+};
+
 /// What the audit needs of the sanitizer's options, fixed at construction.
 struct AuditConfig {
   /// The kinds switched on.
@@ -87,6 +98,9 @@ class OpAudit {
   /// the class count from `input`.
   void check_target(const std::string& op, const at::Tensor& input, const at::Tensor& target,
                     std::optional<int64_t> ignore_index, int64_t num_classes, int64_t step);
+  /// The class-index facts of `step` known so far (host targets: at the op; device targets: once
+  /// their flags are read, before the losses of that step in the read-back order).
+  ClassTargetFacts class_targets(int64_t step) const;
 
  private:
   std::shared_ptr<audit::Core> core_;

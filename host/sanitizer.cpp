@@ -303,6 +303,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
                         for (const auto& s : unpack_stats(host))
                           h = (h ^ s.hash) * 0x100000001b3ull;
                         checks.inputs.on_inputs(h, at_step, restarts, loader);
+                        checks.loss.on_inputs(h);
                         input_hashes[at_step] = h;
                         while (input_hashes.size() > 64) input_hashes.erase(input_hashes.begin());
                         coverage.inputs_fingerprinted += 1;
@@ -361,6 +362,8 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   check_tensors({loss}, "watch_loss");
   LossView v;
   v.step = step;
+  v.outcome = loss_seq;
+  loss_waiting = true;
   v.in_step = grads.in_step();  // a closure's evaluation (LBFGS): nonfinite_loss only
   v.dtype = c10::toString(loss.scalar_type());
   if (v.dtype == "Half") v.dtype = "float16";
@@ -369,7 +372,16 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   readback.push_or_consume(start_host_copy(tensor_stats_packed({loss.detach()})),
                            ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
                              v.stats = unpack_stats(host)[0];
-                             checks.nonfinite.on_loss(v.stats, v.step);  // first
+                             // The audit's class-index facts of this step are in by now (Note
+                             // [Lagged checks]: label flags drain before the losses).
+                             const ClassTargetFacts t = audit->class_targets(v.step);
+                             v.class_calls = t.calls;
+                             v.class_targets = t.targets;
+                             v.class_valid = t.valid;
+                             v.class_empty_calls = t.empty_calls;
+                             v.classes = t.classes;
+                             checks.nonfinite.on_loss(v.stats, v.step,  // first
+                                                      t.empty_calls > 0);
                              checks.loss.on_loss(v);
                              checks.precision.on_loss(v);
                              coverage.losses_checked += 1;
@@ -411,7 +423,17 @@ void SanitizerImpl::check_updates_outside_step(int64_t opt) {
   add_overhead(seconds_since(t0));
 }
 
+void SanitizerImpl::loss_outcome(bool skipped) {
+  if (!loss_waiting) return;
+  loss_waiting = false;
+  checks.loss.on_outcome(loss_seq, skipped);
+  loss_seq += 1;
+}
+
 void SanitizerImpl::scaler_step(const ScalerStep& s) {
+  checks.loss.on_scaler();
+  loss_outcome(s.skipped);
+  scaler_skipped = scaler_skipped || s.skipped;
   if (s.skipped) {
     grads.amp_skip(s.opt);
     amp_skips += 1;
@@ -563,6 +585,7 @@ void SanitizerImpl::close() {
   if (watch) watch->disarm();
   audit->close();
   readback.drain_all();
+  checks.loss.flush();  // losses whose step never ended
   if (replica_driver) replica_driver->finish();
   grads.remove();
   closed = true;

@@ -85,6 +85,7 @@ void Sanitizer::watch_loss(const at::Tensor& loss) {
 }
 
 void Sanitizer::end_step(bool lr_zero) {
+  impl_->scaler_skipped = false;  // a skip reported before it is this iteration's (resolved then)
   if (!impl_->watch) {
     step_end(0, lr_zero);
     return;
@@ -103,6 +104,10 @@ void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
     impl_->loss(loss);
     backward_ran = backward_ran || loss.requires_grad();
   }
+  // A loss scaler reports its step before end_step: a skip since the last step end was this
+  // iteration's, and its losses are given only now (Note [Loss stream]).
+  if (impl_->scaler_skipped) impl_->loss_outcome(/*skipped=*/true);
+  impl_->scaler_skipped = false;
   if (impl_->watch) {
     impl_->end_iteration(backward_ran);
   } else {

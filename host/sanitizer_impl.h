@@ -48,6 +48,10 @@ struct SanitizerImpl {
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
   void scaler_step(const ScalerStep& s);
   void gradients_cleared(int64_t opt);  // Note [Discarded gradients]
+  /// The outcome of the step of the losses watched since the previous one (Note [Loss stream]):
+  /// skipped by a loss scaler, or a step end. Later outcomes with no loss in between are the same
+  /// step's (GradScaler reports its step after the optimizer's step end) and ignored.
+  void loss_outcome(bool skipped);
   void module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs);
   // trainsan::attach (Setup::binding; Note [C++ attach] in attach.cpp): a forward seen by the
   // watch, and the end of an iteration (each optimizer whose step ran is judged).
@@ -124,6 +128,12 @@ struct SanitizerImpl {
   int64_t target_hash_step = -1;
   void targets(const std::vector<at::Tensor>& targets);
   int64_t amp_skips = 0;
+  // Note [Loss stream]: the sequence number of the next step outcome, whether a loss was watched
+  // since the last one, and whether a loss scaler skipped a step since the last step end (a
+  // LibTorch end_step(loss) gives its losses after the scaler's report).
+  int64_t loss_seq = 0;
+  bool loss_waiting = false;
+  bool scaler_skipped = false;
   // rank_desync (compare_replicas, when enabled): the fingerprints of the passes checked since
   // they were last taken.
   bool replicas = false;

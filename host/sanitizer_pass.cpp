@@ -133,6 +133,8 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   const auto t0 = Clock::now();
   TRAINSAN_NVTX_RANGE("trainsan/step");
   if (closed) return;
+  loss_outcome(/*skipped=*/false);  // this step's losses (Note [Loss stream])
+  scaler_skipped = false;
   audit->step_end();
   auto p = std::make_shared<Pass>();
   int64_t& opt_count = opt_steps[manual ? -1 : opt];  // Note [Step numbering]

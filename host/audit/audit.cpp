@@ -134,4 +134,10 @@ void OpAudit::check_target(const std::string& op, const at::Tensor& input, const
                             /*from_op=*/false);
 }
 
+ClassTargetFacts OpAudit::class_targets(int64_t step) const {
+  const std::lock_guard<std::mutex> lock(core_->mu);
+  const auto it = core_->target_facts.find(step);
+  return it == core_->target_facts.end() ? ClassTargetFacts() : it->second;
+}
+
 }  // namespace trainsan::host

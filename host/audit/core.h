@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -62,7 +63,8 @@ struct LabelCheck {
 
 struct DeviceCheck {
   LabelCheck check;
-  at::Tensor flags;  // int64 [3] on the device: bad count, min and max of the non-ignored values
+  at::Tensor flags;  // int64 [4] on the device: bad count, min and max of the non-ignored values,
+                     // and their count
 };
 
 struct Core {
@@ -77,6 +79,7 @@ struct Core {
   int64_t audited_forwards = 0;  // coverage (under mu)
   int64_t ops_audited = 0;
   std::vector<DeviceCheck> device_checks;
+  std::map<int64_t, ClassTargetFacts> target_facts;  // per audited step, the last few (empty_loss)
   std::atomic<bool> active{false};
   std::thread::id thread;  // the audited thread (under the registry's mutex)
   // Audit thread only.

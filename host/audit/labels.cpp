@@ -26,6 +26,7 @@ struct LabelStats {
   int64_t bad = 0;
   int64_t lo = std::numeric_limits<int64_t>::max();
   int64_t hi = std::numeric_limits<int64_t>::min();
+  int64_t valid = 0;  // values that are not ignore_index
 };
 
 LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
@@ -37,6 +38,7 @@ LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
   for (int64_t k = 0, n = t.numel(); k < n; ++k) {
     const int64_t v = p[k];
     if (ignore && v == *ignore) continue;
+    s.valid += 1;
     s.lo = std::min(s.lo, v);
     s.hi = std::max(s.hi, v);
     s.bad += (v < 0 || v >= classes) ? 1 : 0;
@@ -44,7 +46,7 @@ LabelStats label_stats_host(const at::Tensor& target, int64_t classes,
   return s;
 }
 
-// The same figures as an int64 [3] tensor on the target's device, with no synchronisation.
+// The same figures as an int64 [4] tensor on the target's device, with no synchronisation.
 at::Tensor label_flags_device(const at::Tensor& target, int64_t classes,
                               std::optional<int64_t> ignore) {
   const at::DisableRecordFunctionGuard unobserved;
@@ -53,7 +55,21 @@ at::Tensor label_flags_device(const at::Tensor& target, int64_t classes,
   const at::Tensor bad = at::logical_and(at::logical_or(v.lt(0), v.ge(classes)), valid);
   const at::Tensor lo = at::where(valid, v, at::Scalar(std::numeric_limits<int64_t>::max())).amin();
   const at::Tensor hi = at::where(valid, v, at::Scalar(std::numeric_limits<int64_t>::min())).amax();
-  return at::stack({bad.sum(), lo, hi});
+  return at::stack({bad.sum(), lo, hi, valid.sum()});
+}
+
+// Counts one class-index loss call of k.step for empty_loss and trivial_loss (ClassTargetFacts);
+// one_hot is no loss. The last few steps are kept.
+void note_targets(Core& c, const LabelCheck& k, int64_t valid) {
+  if (k.op == "aten::one_hot") return;
+  const std::lock_guard<std::mutex> lock(c.mu);
+  ClassTargetFacts& f = c.target_facts[k.step];
+  f.calls += 1;
+  f.targets += k.numel;
+  f.valid += valid;
+  f.empty_calls += valid == 0 ? 1 : 0;
+  if (k.classes != std::numeric_limits<int64_t>::max()) f.classes = std::max(f.classes, k.classes);
+  while (c.target_facts.size() > 8) c.target_facts.erase(c.target_facts.begin());
 }
 
 void report_labels(Core& c, const LabelCheck& k, const LabelStats& s, bool from_op) {
@@ -202,6 +218,7 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
     return;
   }
   const LabelStats s = label_stats_host(target, classes, ignore);
+  note_targets(c, k, s.valid);
   if (s.bad > 0) {
     k.src = source();
     report_labels(c, k, s, from_op);
@@ -258,7 +275,8 @@ void ship_device_checks(const std::shared_ptr<Core>& core) {
     auto consume = [core, ks = std::move(ks)](const PackedStats& host) {
       const int64_t* p = host.ints.const_data_ptr<int64_t>();
       for (size_t r = 0; r < ks.size(); ++r) {
-        const LabelStats s{p[3 * r], p[3 * r + 1], p[3 * r + 2]};
+        const LabelStats s{p[4 * r], p[4 * r + 1], p[4 * r + 2], p[4 * r + 3]};
+        note_targets(*core, ks[r], s.valid);
         report_labels(*core, ks[r], s, /*from_op=*/false);
       }
     };

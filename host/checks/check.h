@@ -193,7 +193,10 @@ class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, 
  public:
   NonfiniteCheck(FindingSink& sink, const Options& opts, Origins& origins)
       : sink_(sink), opts_(opts), origins_(origins) {}
-  void on_loss(const TensorStats& loss, int64_t step);
+  /// `empty_targets`: the audit saw a class-index loss call of this step whose targets were all
+  /// ignore_index (a mean over no element is 0/0): the NaN is empty_loss's unless the step's
+  /// gradients are not finite (decided in on_step).
+  void on_loss(const TensorStats& loss, int64_t step, bool empty_targets = false);
   void on_step(const StepView& v);
   /// Gradients a backward produced that are being cleared without an optimizer step having used
   /// them (Note [Discarded gradients]): (parameter name, gradient statistics). Returns whether
@@ -202,9 +205,12 @@ class NonfiniteCheck {  // nonfinite.cpp: nonfinite_loss/grad/param/activation, 
   void on_module_output(const ModuleRef& module, const TensorStats& output, int64_t step);
 
  private:
+  void report_loss(const TensorStats& loss, int64_t step);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
   Origins& origins_;
+  // A NaN loss explained by an all-ignored target, waiting for its step's gradients.
+  std::optional<std::pair<TensorStats, int64_t>> pending_loss_;
 };
 
 class GradientFlowCheck {  // gradient_flow.cpp: missing_grad, stale_grad, param_not_in_optimizer,
@@ -334,22 +340,75 @@ struct LossView {
   TensorStats stats;     ///< value: sum / numel (a scalar's value)
   std::string dtype;     ///< "float16", "bfloat16", "float32", ... ("" where unknown)
   bool in_step = false;  ///< evaluated inside an optimizer step (a closure): not a step's loss
+  /// What the op audit saw of this step's class-index loss ops (cross_entropy, nll_loss; audited
+  /// steps with label_range on): calls, targets that are not ignore_index summed over them, calls
+  /// whose targets were all ignore_index, and the largest class count C. calls == 0: none seen
+  /// (not audited, or no such op).
+  int64_t class_calls = 0;
+  int64_t class_targets = 0;
+  int64_t class_valid = 0;
+  int64_t class_empty_calls = 0;
+  int64_t classes = 0;
+  /// The step outcome this loss belongs to (SanitizerImpl's sequence of the outcomes of steps
+  /// with losses: LossCheck::on_outcome); -1: none, judged at once.
+  int64_t outcome = -1;
 };
 
-class LossCheck {  // loss.cpp: loss_spike, trivial_loss (nonfinite_loss is NonfiniteCheck's)
+class LossCheck {  // loss.cpp: loss_spike, trivial_loss, empty_loss (nonfinite_loss:
+                   // NonfiniteCheck)
  public:
   LossCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_loss(const LossView& v);
+  /// A loss scaler reports its steps: from now on loss_spike waits for each loss's step outcome.
+  void on_scaler() { scaler_ = true; }
+  /// The outcome of the step whose losses carry `outcome` (LossView::outcome): `skipped` when a
+  /// loss scaler skipped it (Inf/NaN in the scaled gradients), else it stepped or ended. Judges
+  /// the losses that waited for it (Note [Loss stream]).
+  void on_outcome(int64_t outcome, bool skipped);
+  /// close(): judge the losses still waiting (their step never ended), as of steps that ran.
+  void flush();
+  /// The fingerprint of a step's training inputs (its first grad-enabled forward): whether the
+  /// run fits one fixed batch (trivial_loss's collapse rule judges fresh batches only).
+  void on_inputs(uint64_t hash);
 
  private:
-  void spike(double x, int64_t step);
+  void spike(double x, int64_t step, bool skipped);
+  bool was_skipped(int64_t outcome) const;
   void trivial(const LossView& v, double x);
+  void collapse(double x, int64_t step);
+  void empty(const LossView& v);
   FindingSink& sink_;
   const Options& opts_;
-  // loss_spike: one stream per sanitizer, the most recent loss_spike_window finite losses.
+  // loss_spike: one stream per sanitizer, the most recent loss_spike_window finite losses that
+  // were not flagged (Note [Loss stream]).
   std::vector<double> window_;  // ring buffer
   size_t next_ = 0;
   int64_t seen_ = 0;
+  double largest_ = 0.0;         // the largest unflagged loss so far (the warm-up rule)
+  int64_t flagged_run_ = 0;      // consecutive flagged losses (a level shift after kPersist)
+  std::vector<int64_t> spikes_;  // steps of the reported spikes, the last few
+  // Waiting for their step's outcome (a loss scaler in use): value, step, outcome.
+  struct Waiting {
+    double x;
+    int64_t step;
+    int64_t outcome;
+  };
+  bool scaler_ = false;
+  std::deque<Waiting> waiting_;
+  int64_t resolved_ = 0;         // outcomes below this one are known
+  std::deque<int64_t> skipped_;  // the recent outcomes a loss scaler skipped
+  // trivial_loss's collapse: the class count, the recent losses and whether it was reported.
+  int64_t classes_ = 0;
+  std::vector<double> recent_;  // ring buffer of the last kCollapseWindow losses
+  size_t recent_next_ = 0;
+  bool collapsed_ = false;
+  uint64_t last_inputs_ = 0;
+  int64_t fresh_inputs_ = 0;     // steps whose inputs differed from the step before
+  int64_t repeated_inputs_ = 0;  // steps whose inputs were the step before's
+  // empty_loss: audited steps with class-index targets, those with an all-ignored call.
+  int64_t target_steps_ = 0;
+  int64_t empty_steps_ = 0;
+  int64_t last_target_step_ = -1;
   // trivial_loss: the first finite loss, and whether every loss since had its bits.
   std::optional<double> first_;
   uint64_t first_hash_ = 0;

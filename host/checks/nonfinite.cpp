@@ -16,8 +16,20 @@ std::string nonfinite_text(const TensorStats& s) {
 
 }  // namespace
 
-void NonfiniteCheck::on_loss(const TensorStats& loss, int64_t step) {
+// A NaN loss whose step's class-index loss had only ignore_index targets is the mean over no
+// element (0/0): its backward gives zero gradients, training goes on unharmed, and empty_loss (a
+// warning, LossCheck) names it. It stays nonfinite_loss's when the step's gradients are not
+// finite after all (something else made the NaN), or when it is +-Inf rather than NaN.
+void NonfiniteCheck::on_loss(const TensorStats& loss, int64_t step, bool empty_targets) {
   if (loss.nonfinite() == 0) return;
+  if (empty_targets && loss.nan == loss.nonfinite()) {
+    pending_loss_ = std::make_pair(loss, step);
+    return;
+  }
+  report_loss(loss, step);
+}
+
+void NonfiniteCheck::report_loss(const TensorStats& loss, int64_t step) {
   origins_.rearm(step);
   std::string origin = origins_.describe(step);
   if (origin.empty()) {
@@ -35,6 +47,13 @@ void NonfiniteCheck::on_loss(const TensorStats& loss, int64_t step) {
 }
 
 void NonfiniteCheck::on_step(const StepView& v) {
+  if (pending_loss_ && pending_loss_->second <= v.step) {
+    const auto [loss, step] = *pending_loss_;
+    pending_loss_.reset();
+    bool finite = true;
+    for (const ParamView& p : v.params) finite = finite && (!p.grad || p.grad->nonfinite() == 0);
+    if (!finite || step < v.step) report_loss(loss, step);
+  }
   bool first_grad = true;
   for (const ParamView& p : v.params) {
     if (p.grad && p.grad->nonfinite() > 0) {

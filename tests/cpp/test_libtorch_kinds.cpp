@@ -299,6 +299,18 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
              return kCrossEntropy(out, j) * (j == 14 ? 1e4 : 1.0);
            });
          }));
+  {  // every target ignore_index: the mean over none is NaN (0/0) with zero gradients
+    const auto empty =
+        run(3, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+          iteration(n, o, s, i, [](const torch::Tensor& out, int) {
+            return torch::nn::functional::cross_entropy(
+                out, torch::full({out.size(0)}, -100, torch::kLong),
+                torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+          });
+        });
+    expect("empty_loss", empty);
+    EXPECT_FALSE(empty.count("nonfinite_loss"));
+  }
   expect("trivial_loss",
          run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
            iteration(n, o, s, i, [](const torch::Tensor& out, int) { return out.sum() * 0.0; });

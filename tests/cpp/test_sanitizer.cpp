@@ -121,6 +121,50 @@ TEST(Sanitizer, NanLossAndGradientsAreFoundAtTheirStep) {
   EXPECT_TRUE(kinds.count("nonfinite_param"));
 }
 
+// A hand-written loss scaler (docs/cpp.md, "Loss scalers"): iterations 8 and 12 plant a loss x
+// 1e30 whose gradients overflow; the scaler reports the skip before end_step and does not step.
+// Those losses are not loss_spike (Note [Loss stream]), whether given to watch_loss before the
+// report or to end_step(loss) after it; a x 1e4 loss at iteration 16 that the scaler lets
+// through is one.
+TEST(Sanitizer, LossesOfStepsTheScalerSkippedAreNotSpikes) {
+  for (const bool at_end : {false, true}) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(1e-3));
+    trainsan::Sanitizer san(net.named_parameters(), record());
+    for (int i = 0; i < 20; ++i) {
+      const Batch b = batch(i);
+      opt.zero_grad();
+      san.begin_step({b.x, b.y});
+      auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
+      const bool skip = i == 8 || i == 12;
+      if (skip) loss = loss * 1e30;
+      if (i == 16) loss = loss * 1e4;
+      if (!at_end) san.watch_loss(loss);
+      loss.backward();
+      if (skip) {
+        san.scaler_step({0, /*skipped=*/true, 1.0});
+      } else {
+        opt.step();
+        san.scaler_step({0, /*skipped=*/false, 1.0});
+      }
+      if (at_end) {
+        san.end_step(loss);
+      } else {
+        san.end_step();
+      }
+    }
+    san.close();
+    std::vector<trainsan::Finding> spikes;
+    for (const auto& f : san.findings()) {
+      if (f.kind == "loss_spike") spikes.push_back(f);
+    }
+    ASSERT_EQ(spikes.size(), 1u) << at_end;
+    EXPECT_GT(spikes[0].value.value_or(0.0), 1e3) << spikes[0].message;
+    EXPECT_LT(spikes[0].value.value_or(0.0), 1e6) << spikes[0].message;
+  }
+}
+
 TEST(Sanitizer, HooksAreRemovedOnClose) {
   torch::manual_seed(0);
   Net net;
@@ -556,7 +600,7 @@ TEST(Sanitizer, StepInFlightAtAttach) {
 
 TEST(Kinds, TableIsConsistent) {
   const auto& ks = trainsan::kinds();
-  ASSERT_EQ(ks.size(), 31u);  // the implemented kinds (docs/kinds.md)
+  ASSERT_EQ(ks.size(), 32u);  // the implemented kinds (docs/kinds.md)
   std::set<std::string> names;
   for (size_t i = 0; i < ks.size(); ++i) {
     const trainsan::KindInfo& k = ks[i];

@@ -104,7 +104,7 @@ def probe(fn, steps=1, **options):
     mean of whatever `fn` returns (often NaN or 0 for these shapes): the loss-value checks, which
     watch it automatically, are out of scope here and switched off."""
     checks = dict(options.pop("checks", {}))
-    for kind in ("nonfinite_loss", "loss_spike", "trivial_loss"):
+    for kind in ("nonfinite_loss", "loss_spike", "trivial_loss", "empty_loss"):
         checks.setdefault(kind, False)
     options["checks"] = checks
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import trainsan
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
 
-LOSS_KINDS = {"loss_spike", "trivial_loss"}
+LOSS_KINDS = {"loss_spike", "trivial_loss", "empty_loss"}
 
 
 def _mlp():

@@ -41,6 +41,7 @@ IMPLEMENTED = {
     "bad_custom_grad": "error",
     "loss_spike": "warning",
     "trivial_loss": "warning",
+    "empty_loss": "warning",
     "rank_desync": "error",
 }
 UNIMPLEMENTED: list = []  # every kind of the design (docs/architecture.md) has a row

@@ -33,6 +33,7 @@ REQUIRED_KINDS = [
     "duplicate_batch",
     "loss_spike",
     "trivial_loss",
+    "empty_loss",
     "inplace_before_backward",
     "bad_custom_grad",
     "amp_scale_collapse",

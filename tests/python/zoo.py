@@ -1189,6 +1189,42 @@ def _tl_all_ignored(ctx):
         opt.step()
 
 
+# --- empty_loss -------------------------------------------------------------------------------
+
+
+@case("empty_loss/completion_mask_covers_nothing_transformer", "empty_loss", 1, "transformer",
+      "AdamW", "completion-only fine-tuning: the response template is never found, so every label "
+      "is ignore_index; the summed token loss over max(count, 1) plus weight decay trains nothing")
+def _el_completion_only(ctx):
+    model = TinyTransformer(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = token_batch()
+        y = torch.full_like(y, -100)  # bug: the template search masked every position
+        opt.zero_grad()
+        logits = model(t)
+        loss = _masked_token_loss(logits, y) + 1e-4 * logits.pow(2).mean()
+        loss.backward()
+        opt.step()
+
+
+@case("empty_loss/all_padding_batches_mean_gru", "empty_loss", 2, "gru", "Adam",
+      "the collator pads every label of the batches from one bucket with -100; mean cross-entropy "
+      "over no label is NaN (0/0) with zero gradients at steps 2 and 5")
+def _el_all_padding(ctx):
+    model = GRUClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = token_batch()
+        if step in (2, 5):
+            y = torch.full_like(y, -100)
+        opt.zero_grad()
+        F.cross_entropy(model(t), y, ignore_index=-100).backward()
+        opt.step()
+
+
 @case("clean/noisy_small_batch_sgd_gru", None, None, "gru", "SGD",
       "batches of 2 sequences: the loss jumps between near 0 and several times its median from "
       "one batch to the next (ordinary minibatch noise, not a spike)")
