@@ -146,8 +146,7 @@ class CustomGrads(Gatherer):
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
         if train:
-            self._check.begin(self._handle.custom_grad_due(True), self._handle.gradcheck_step(),
-                              self._handle.step())
+            self._check.open()
 
     def before_step(self, k: int) -> None:
         self._check.end()

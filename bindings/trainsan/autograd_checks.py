@@ -479,6 +479,7 @@ class CustomGradCheck:
         self.checked: set = set()  # Functions checked at their first use
         self.seen: set = set()  # Functions checked on this step
         self._step = -1
+        self._pending = False  # a training forward opened the window; begin() not asked yet
         self.functions_checked = 0
         _patch_function_apply(self)
 
@@ -493,10 +494,21 @@ class CustomGradCheck:
         self._sampled = sampled and ready
         self.armed = ready
 
+    def open(self) -> None:
+        """A training forward: the window opens; what is due is asked of the C++ side at the first
+        Function call in it (a model without custom Functions costs no call per step)."""
+        self._pending = True
+        self.armed = True
+
     def end(self) -> None:
         self.armed = False
+        self._pending = False
 
     def wants(self, cls) -> bool:
+        if self.armed and self._pending:
+            self._pending = False
+            h = self._handle
+            self.begin(h.custom_grad_due(True), h.gradcheck_step(), h.step())
         return (
             self.armed
             and (cls not in self.checked or (self._sampled and cls not in self.seen))
