@@ -308,18 +308,15 @@ def _graphless(tensors: Any) -> bool:
                                for t in roots)
 
 
-def _backward_without_graph() -> None:
-    for san in [s for s in list(_open_sanitizers) if not s._closed]:
-        san._apply(san._handle.backward_without_graph())
-
-
-def backward_seen(tensors: Any, sanitizers: list) -> None:
-    """A backward that `sanitizers` (attached just now, inside it) did not see through the wrapper
-    below: what the wrapper tells them."""
+def backward_seen(tensors: Any, sanitizers: Optional[list] = None) -> None:
+    """What a backward of `tensors` tells the open sanitizers (or `sanitizers`, attached inside
+    it, after the wrapper below ran): its loss root, or that it has no graph. Never raises but
+    a finding (policy raise)."""
     try:
         if _graphless(tensors):
-            for san in sanitizers:
-                san._apply(san._handle.backward_without_graph())
+            for san in sanitizers if sanitizers is not None else list(_open_sanitizers):
+                if not san._closed:
+                    san._apply(san._handle.backward_without_graph())
         else:
             _watch_roots(tensors)
     except TrainingBugError:
@@ -333,15 +330,7 @@ def _loss_roots() -> list:
     orig_scale = torch.amp.GradScaler.scale
 
     def backward(tensors, *args, **kwargs):
-        try:
-            if _graphless(tensors):
-                _backward_without_graph()
-            else:
-                _watch_roots(tensors)
-        except TrainingBugError:
-            raise
-        except Exception:  # never break the user's backward
-            pass
+        backward_seen(tensors)
         return orig_backward(tensors, *args, **kwargs)
 
     def scale(self, outputs):

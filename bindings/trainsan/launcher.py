@@ -46,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import trainsan
 
 from . import _children, _compile, _patches
+from ._gatherers import RootlessForwards
 
 PROG = "python -m trainsan run"
 _ON = {"on": True, "true": True, "1": True, "yes": True,
@@ -461,8 +462,7 @@ class Pairer:
             # it: report the forward (for a torch.compile wrapper the hook traced inside does).
             # Under no_grad too: a training forward without gradients (no_grad_leak).
             san.training_forward(*args)
-        elif san is not None and isinstance(model, _Roots) or (
-                san is not None and type(model).forward is torch.nn.Module.forward):
+        elif san is not None and RootlessForwards.needed(model):
             san.training_forward(*args)  # this call was the first of its submodules' calls
 
     def _free(self, roots: list) -> list:
@@ -484,7 +484,7 @@ class Pairer:
         skipped the module hooks: model.forward(), model.compile()). The sanitizers made here."""
         before = len(self.pairings)
         for opt in self._pending():
-            if any(o is opt for o in self._pending()):
+            if any(o is opt for o in self._pending()):  # (pairing one may have paired others)
                 self._pair(opt, "ran backward() for")
         return [p.san for p in self.pairings[before:]]
 
