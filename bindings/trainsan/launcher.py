@@ -257,8 +257,23 @@ class _Pairing:
     san: trainsan.Sanitizer
     slot: int
     trace: Optional[str]
-    ids: set  # ids of the model's parameters
+    _ids: set  # ids of the model's parameters, as of the sanitizer's binding _bound
     replaced: bool = False
+    _bound: int = 0
+
+    @property
+    def ids(self) -> set:
+        """ids of the model's parameters; read anew after the sanitizer re-bound to replaced
+        parameters (Note [Attach order])."""
+        bound = getattr(self.san, "_binding", 0)
+        if bound != self._bound:
+            self._ids, self._bound = {id(p) for p in self.model.parameters()}, bound
+        return self._ids
+
+    def known_ids(self) -> set:
+        """The model's parameters now and as attached (replaced since attach, in manual mode too,
+        an optimizer built over the old ones still belongs to it)."""
+        return self.ids | {id(p) for p in self.model.parameters()}
 
 
 def _held(opt: torch.optim.Optimizer) -> set:
@@ -436,7 +451,8 @@ class Pairer:
     def _on_top_call(self, module: torch.nn.Module, args: tuple, grad: bool) -> None:
         model = _compile.unwrap_compiled(module)
         ids = _trainable(model)
-        if not ids or model in self._skip or any(p.ids & ids for p in self._active()):
+        if not ids or model in self._skip or self._ours(model) or any(
+                p.ids & ids for p in self._active()):
             return  # nothing to train, refused, or attached (itself, a wrapper or a submodule)
         opts = self._candidates(ids)
         if not opts:
@@ -470,9 +486,16 @@ class Pairer:
         out = []
         for root in roots:
             own = {id(p) for p in root.parameters()}
-            if root not in self._skip and not any(p.ids & own for p in self._active()):
+            if root not in self._skip and not self._ours(root) and not any(
+                    p.ids & own for p in self._active()):
                 out.append(root)
         return out
+
+    def _ours(self, model: torch.nn.Module) -> bool:
+        """`model` has one of our sanitizers (its parameters may have been replaced since: it is
+        re-attached at its optimizer's step, not inside a call, Note [Launcher pairing])."""
+        san = trainsan.attached(model)
+        return san is not None and any(p.san is san for p in self._active())
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if opt not in self._order or not any(o is opt for o in self._pending()):
@@ -491,9 +514,9 @@ class Pairer:
     def _pair(self, opt: torch.optim.Optimizer, event: str) -> None:
         """Pairs an optimizer that no training forward paired (Note [Launcher pairing])."""
         ids = _held(opt)
-        owner = next((p for p in self._active() if p.ids & ids), None)
+        owner = next((p for p in self._active() if p.known_ids() & ids), None)
         if owner is not None:
-            self._attach(owner.model, self._candidates(owner.ids), owner)
+            self._attach(owner.model, self._candidates(owner.known_ids()), owner)
             return
         roots = [_compile.unwrap_compiled(m) for m in _holders(ids)]
         if not roots:
@@ -559,6 +582,9 @@ class Pairer:
     def _attach(self, model: torch.nn.Module, opts: list,
                 old: Optional[_Pairing]) -> Optional[trainsan.Sanitizer]:
         prev = trainsan.attached(model)
+        if old is None and prev is not None:
+            # Ours, found again because its parameters were replaced since: re-attached.
+            old = next((p for p in self._active() if p.san is prev), None)
         if old is None and prev is not None:
             self._skip.add(model)
             self.notes.append(f"the script attaches its own sanitizer to {type(model).__name__}: "

@@ -138,3 +138,25 @@ def test_closing_lines_never_say_no_optimizer_when_one_was_built(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "built no optimizer" not in r.stderr
     assert "the script built 1 optimizer(s) (SGD) but none stepped" in r.stderr, r.stderr
+
+
+def test_a_model_whose_parameters_were_replaced_after_its_first_call_is_paired_again(tmp_path):
+    # A probe forward before any optimizer (manual mode), then load_state_dict(assign=True)
+    # replaces the parameters and the optimizer is built over the new ones: the launcher pairs
+    # them with its own sanitizer of that model at the first step (not "left to it").
+    script = tmp_path / "replaced.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+        "m(torch.randn(2, 4))\n"
+        "m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(4):\n"
+        "    loss = m(torch.randn(16, 4)).pow(2).mean()\n"
+        "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+        "print('done')\n")
+    r = _launch("--policy", "record", str(script))
+    assert r.returncode == 0, r.stderr
+    assert "trainsan run: Sequential with SGD" in r.stderr, r.stderr
+    assert "trainsan: 4 steps, no findings" in r.stderr, r.stderr
+    assert "left to it" not in r.stderr and "Traceback" not in r.stderr, r.stderr
