@@ -254,6 +254,7 @@ def _skip_frames() -> list:
         os.path.join(here, "_compile.py"),
         os.path.join(here, "_patches.py"),
         os.path.join(here, "launcher.py"),
+        os.path.join(here, "_pairing.py"),
         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     ]
 
@@ -326,4 +327,22 @@ def _optimizers_holding_none(optimizers, params) -> list:
                    "distribute_module, to_empty, load_state_dict(assign=True)) or belongs to "
                    "another model; build it from model.parameters() of the model you train")
             )
+    return out
+
+
+def outside_model(optimizers, param_ids: set) -> list:
+    """The attached optimizers' parameters that are not the model's (`param_ids`): a sanitizer
+    does not check them (another module's, a bare tensor, or parameters replaced after the
+    optimizer was built)."""
+    out = []
+    for k, opt in enumerate(optimizers):
+        held = [p for g in opt.param_groups for p in g["params"]]
+        gone = [p for p in held if id(p) not in param_ids]
+        if gone:
+            out.append({
+                "optimizer": k, "type": type(opt).__name__, "count": len(gone),
+                "of": len(held), "shapes": [list(p.shape) for p in gone[:3]],
+                "why": "not parameters of the attached model (another module's, a tensor "
+                       "given to the optimizer directly, or parameters replaced after the "
+                       "optimizer was built): attach to the module that holds them all"})
     return out

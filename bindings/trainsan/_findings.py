@@ -68,3 +68,46 @@ class Finding:
     def __str__(self) -> str:
         return f"[{self.severity}] {self.message}"
 
+
+def merge_findings(before: list, now: list) -> list:
+    """Findings before a re-binding and after it, one per kind and tensor (the first seen, with
+    the counts added and the latest step); new Finding objects."""
+    out = [dataclasses.replace(f) for f in before]
+    index = {(f.kind, f.tensor): f for f in out}
+    for f in now:
+        e = index.get((f.kind, f.tensor))
+        if e is None:
+            out.append(dataclasses.replace(f))
+            index[(f.kind, f.tensor)] = out[-1]
+        else:
+            e.count += f.count
+            e.last_step = max(e.last_step, f.last_step)
+    return out
+
+
+def summary_text(step: int, findings: list, c: dict) -> str:
+    """Sanitizer.summary(): the findings, what was checked (coverage `c`), what was not."""
+    if not findings:
+        lines = [f"trainsan: {step} steps, no findings"]
+    else:
+        lines = [f"trainsan: {step} steps, {len(findings)} distinct finding(s):"]
+    for f in findings:
+        rep = f" (x{f.count}, last at step {f.last_step})" if f.count > 1 else ""
+        lines.append(f"  [{f.severity}] {f.message}{rep}")
+    period = c["update_period"]
+    lines.append(
+        f"  checked: {c['steps_checked']} step(s) ({c['update_steps']} with update statistics"
+        + (f", now every {period}th" if period > 1 else "")
+        + f"), {c['training_forwards']} training forward(s), {c['losses_checked']} loss(es), "
+        f"inputs at {c['inputs_fingerprinted']} step(s), {c['audited_forwards']} audited "
+        f"forward(s) ({c['ops_audited']} ops)"
+    )
+    for kind, why in c["unchecked"].items():
+        lines.append(f"  not checked: {kind}: {why}")
+    for o in c["outside_model"]:
+        shapes = ", ".join(str(x) for x in o["shapes"]) + (", ..." if o["count"] > 3 else "")
+        lines.append(f"  not checked: {o['count']} of the {o['of']} parameter(s) of optimizer "
+                     f"{o['optimizer']} ({o['type']}; shapes {shapes}): {o['why']}")
+    for note in c.get("notes", ()):
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)

@@ -24,8 +24,10 @@ import torch
 from . import _compile, _patches
 from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _group_lrs,
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
-                     _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight)
-from ._findings import Finding, TrainingBugError, TrainingBugWarning
+                     _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
+                     outside_model)
+from ._findings import (Finding, TrainingBugError, TrainingBugWarning, merge_findings,
+                        summary_text)
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
@@ -103,22 +105,6 @@ def _user_stacklevel() -> int:
     while f is not None and f.f_code.co_filename.startswith((pkg, tdir)):
         f, level = f.f_back, level + 1
     return level
-
-
-def _merge(before: list, now: list) -> list:
-    """Findings before a re-binding and after it, one per kind and tensor (the first seen, with
-    the counts added and the latest step); new Finding objects."""
-    out = [dataclasses.replace(f) for f in before]
-    index = {(f.kind, f.tensor): f for f in out}
-    for f in now:
-        e = index.get((f.kind, f.tensor))
-        if e is None:
-            out.append(dataclasses.replace(f))
-            index[(f.kind, f.tensor)] = out[-1]
-        else:
-            e.count += f.count
-            e.last_step = max(e.last_step, f.last_step)
-    return out
 
 
 class Sanitizer:
@@ -373,7 +359,7 @@ class Sanitizer:
                           TrainingBugWarning, stacklevel=_user_stacklevel())
             return
         before = [Finding._from_tuple(t) for t in old.findings()]
-        self._before = _merge(self._before, before)
+        self._before = merge_findings(self._before, before)
         for key in _ADDITIVE:
             if key in counts:
                 self._counts_before[key] = self._counts_before.get(key, 0) + int(counts[key])
@@ -625,7 +611,7 @@ class Sanitizer:
     def findings(self) -> list[Finding]:
         """Every distinct finding so far, each with its count."""
         now = [Finding._from_tuple(t) for t in self._handle.findings()]
-        return _merge(self._before, now) if self._before else now
+        return merge_findings(self._before, now) if self._before else now
 
     @property
     def step(self) -> int:
@@ -652,7 +638,7 @@ class Sanitizer:
         for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
             out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
-        out["outside_model"] = self._outside_model()
+        out["outside_model"] = outside_model(self._optimizers, self._param_ids)
         if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (
                 "no parameter has replicas on this rank (each is sharded on every mesh dimension "
@@ -662,52 +648,10 @@ class Sanitizer:
             out["notes"] = [n["message"] for n in self._notes]
         return out
 
-    def _outside_model(self) -> list:
-        """The attached optimizers' parameters that are not the model's: this sanitizer does not
-        check them (another module's, a bare tensor, or parameters replaced after the optimizer
-        was built)."""
-        out = []
-        for k, opt in enumerate(self._optimizers):
-            held = [p for g in opt.param_groups for p in g["params"]]
-            gone = [p for p in held if id(p) not in self._param_ids]
-            if gone:
-                out.append({
-                    "optimizer": k, "type": type(opt).__name__, "count": len(gone),
-                    "of": len(held), "shapes": [list(p.shape) for p in gone[:3]],
-                    "why": "not parameters of the attached model (another module's, a tensor "
-                           "given to the optimizer directly, or parameters replaced after the "
-                           "optimizer was built): attach to the module that holds them all"})
-        return out
-
     def summary(self) -> str:
         """A short human-readable summary: the findings, what was checked, and which checks never
         had what they need (a clean summary means "checked and clean", not "saw nothing")."""
-        fs = self.findings
-        c = self.coverage()
-        if not fs:
-            lines = [f"trainsan: {self.step} steps, no findings"]
-        else:
-            lines = [f"trainsan: {self.step} steps, {len(fs)} distinct finding(s):"]
-        for f in fs:
-            rep = f" (x{f.count}, last at step {f.last_step})" if f.count > 1 else ""
-            lines.append(f"  [{f.severity}] {f.message}{rep}")
-        period = c["update_period"]
-        lines.append(
-            f"  checked: {c['steps_checked']} step(s) ({c['update_steps']} with update statistics"
-            + (f", now every {period}th" if period > 1 else "")
-            + f"), {c['training_forwards']} training forward(s), {c['losses_checked']} loss(es), "
-            f"inputs at {c['inputs_fingerprinted']} step(s), {c['audited_forwards']} audited "
-            f"forward(s) ({c['ops_audited']} ops)"
-        )
-        for kind, why in c["unchecked"].items():
-            lines.append(f"  not checked: {kind}: {why}")
-        for o in c["outside_model"]:
-            shapes = ", ".join(str(x) for x in o["shapes"]) + (", ..." if o["count"] > 3 else "")
-            lines.append(f"  not checked: {o['count']} of the {o['of']} parameter(s) of optimizer "
-                         f"{o['optimizer']} ({o['type']}; shapes {shapes}): {o['why']}")
-        for note in c.get("notes", ()):
-            lines.append(f"  note: {note}")
-        return "\n".join(lines)
+        return summary_text(self.step, self.findings, self.coverage())
 
     def last_stats(self) -> dict[str, TensorStats]:
         """Statistics of the last checked step: ``"<param>"``, ``"<param>.grad"`` and

@@ -1,0 +1,427 @@
+"""``python -m trainsan run``: which model each optimizer the script builds is attached with, and
+when (Note [Launcher pairing]); launcher.py runs the script and closes what was attached."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+import threading
+import types
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import trainsan
+
+from . import _compile, _patches
+from ._gatherers import RootlessForwards
+
+# -- pairing optimizers with models ---------------------------------------------------------------
+
+# Note [Launcher pairing]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# While the script runs, torch.optim.Optimizer.__init__ is wrapped to record every optimizer it
+# builds (weakly, in creation order), and two process-wide module hooks watch the top-level module
+# calls (a call on this thread with no other module's forward running: the model, not its layers;
+# a DDP or torch.compile wrapper, not the module inside). They stay installed while something is
+# pending — an optimizer not paired yet, or no sanitizer at all — and are removed once not.
+# * A top-level call of a module M whose trainable parameters some recorded optimizers hold, with
+#   gradients enabled or in train mode under no_grad (a training forward under no_grad is found
+#   as no_grad_leak at its backward), attaches trainsan.attach(M, those optimizers) when M holds
+#   all of their parameters; otherwise the smallest live module holding them all (an agent whose
+#   heads are called directly: full dotted names), or, where none does, one _Roots model over the
+#   roots holding them (named by the script's variables). Before M's forward runs; the
+#   forward itself is reported to the new sanitizer (its own pre-hook, registered during the
+#   call, is not called for it), so the whole first step is seen, loss included. The newest
+#   optimizer comes first (a parameter held by several is judged by the newest), and an older one
+#   whose parameters newer ones hold entirely is taken as replaced by them (an optimizer rebuilt
+#   for a new phase; Lookahead around its base) and is paired no more.
+# * A top-level call in train mode with gradients enabled, in a script that has built no
+#   optimizer, attaches M in manual mode (trainsan.attach(M)): a loop updating p.data by hand.
+# * Recorded optimizers still unpaired at the script's first backward() are paired there, as
+#   below (a forward that skipped the module hooks), so every optimizer is attached no later than
+#   its first backward or step.
+# * A recorded optimizer that steps unpaired is paired at that step's global pre-hook (so that step
+#   is in flight: attach() sees it on the stack, and the step rules do not judge it). If it holds
+#   parameters of an attached model (the optimizer of a new phase; a model run once before its
+#   optimizer existed, now in manual mode), that model is re-attached with the optimizers that
+#   now hold its parameters: the old sanitizer is closed and the new one writes the same trace.
+#   Not at the model's next call: torch has collected the model's hooks when the global pre-hook
+#   runs, and calls a hook removed then with the wrong arguments. Otherwise (the model was only
+#   called under no_grad, through model.forward(), or compiled in place by model.compile(),
+#   whose calls skip the module hooks) the smallest live module holding all of its parameters
+#   (or one _Roots model over the roots holding them) is attached, found through the garbage
+#   collector.
+# At exit, optimizers never attached and optimizer tensors no attached model holds are listed.
+# Each model gets a slot: the first writes --trace PATH, the k-th PATH with .k before the
+# extension (and .rankN before that under torchrun).
+
+
+@dataclasses.dataclass
+class _Pairing:
+    model: torch.nn.Module
+    optimizers: list
+    san: trainsan.Sanitizer
+    slot: int
+    trace: Optional[str]
+    _ids: set  # ids of the model's parameters, as of the sanitizer's binding _bound
+    replaced: bool = False
+    _bound: int = 0
+
+    @property
+    def ids(self) -> set:
+        """ids of the model's parameters; read anew after the sanitizer re-bound to replaced
+        parameters (Note [Attach order])."""
+        bound = getattr(self.san, "_binding", 0)
+        if bound != self._bound:
+            self._ids, self._bound = {id(p) for p in self.model.parameters()}, bound
+        return self._ids
+
+    def known_ids(self) -> set:
+        """The model's parameters now and as attached (replaced since attach, in manual mode too,
+        an optimizer built over the old ones still belongs to it)."""
+        return self.ids | {id(p) for p in self.model.parameters()}
+
+
+def _held(opt: torch.optim.Optimizer) -> set:
+    return {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+def _trainable(module: torch.nn.Module) -> set:
+    return {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def _holders(ids: set) -> list:
+    """The modules to attach for optimizers holding the parameters `ids`: the smallest live module
+    holding all of them (of those holding the same parameters, the outermost: full dotted names),
+    whether or not its own forward is ever called (an agent whose code calls agent.actor and
+    agent.critic); where no module holds them all, each root module (nobody's submodule) holding
+    some of them, most first. Found through the garbage collector; torch.compile wrappers are
+    looked through."""
+    mods = [o for o in gc.get_objects()
+            if issubclass(type(o), torch.nn.Module) and _compile.unwrap_compiled(o) is o]
+    best, best_n, some = None, 0, []
+    inner = {id(c) for m in mods for c in m.children()}
+    for m in mods:
+        own = {id(p) for p in m.parameters()}
+        if ids <= own:
+            if best is None or len(own) < best_n or (
+                    len(own) == best_n and any(x is best for x in m.modules())):
+                best, best_n = m, len(own)
+        elif id(m) not in inner and own & ids:
+            some.append((len(own & ids), m))
+    if best is not None:
+        return [best]
+    return [m for _, m in sorted(some, key=lambda t: -t[0])]
+
+
+class _Roots(torch.nn.Module):
+    """Several root modules trained by one optimizer, as one model for one sanitizer: its
+    children are the roots, named by the script's variables. It has no forward(): the outermost
+    calls of the roots are its forwards (Note [Models without a root forward])."""
+
+
+def _root_names(roots: list) -> list:
+    main = vars(sys.modules.get("__main__", types.ModuleType("__main__")))
+    by_id = {id(v): k for k, v in list(main.items())
+             if isinstance(v, torch.nn.Module) and k.isidentifier() and not k.startswith("_")}
+    names, used = [], set()
+    for k, m in enumerate(roots):
+        name = by_id.get(id(m)) or f"{type(m).__name__.lower()}{k}"
+        while name in used:
+            name += "_"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _one_model(roots: list) -> torch.nn.Module:
+    """The module to attach for `roots` (Note [Launcher pairing])."""
+    if len(roots) == 1:
+        return roots[0]
+    combined = _Roots()
+    for name, m in zip(_root_names(roots), roots):
+        combined.add_module(name, m)
+    return combined
+
+
+class Pairer:
+    """Attaches a sanitizer to each optimizer the script builds (Note [Launcher pairing])."""
+
+    def __init__(self, trace: Optional[str], rank: Optional[int], **attach_kwargs: Any):
+        self.pairings: list[_Pairing] = []
+        self.notes: list[str] = []  # what could not be attached, printed with the summaries
+        self._trace = trace
+        self._rank = rank
+        self._kwargs = attach_kwargs
+        self._order: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # opt -> number
+        self._built = 0
+        self._built_types: list = []  # every optimizer built, by class name (the closing lines)
+        self._retired: "weakref.WeakSet" = weakref.WeakSet()  # replaced by newer optimizers
+        self._orphans: "weakref.WeakSet" = weakref.WeakSet()  # stepped, no module holds them
+        self._skip: "weakref.WeakSet" = weakref.WeakSet()  # modules attach() refused
+        self._depth = threading.local()
+        self._module_hooks: list = []
+        self._step_hook = None
+        self._init = None
+        self._backward = None
+
+    # installation -------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        orig = torch.optim.Optimizer.__dict__["__init__"]
+
+        def __init__(opt, *args, **kwargs):
+            orig(opt, *args, **kwargs)
+            self._built += 1
+            self._order[opt] = self._built
+            self._built_types.append(type(opt).__name__)
+            self._sync_hooks()
+
+        __init__.__wrapped__ = orig  # type: ignore[attr-defined]
+        self._init = (orig, __init__)
+        torch.optim.Optimizer.__init__ = __init__
+        self._step_hook = register_optimizer_step_pre_hook(self._on_step)
+        orig_backward = torch.autograd.backward
+        pairer = self
+
+        def backward(tensors, *args, **kwargs):
+            if pairer._init is not None and pairer._pending() and not _compile.is_compiling():
+                made = pairer._on_backward()
+                if made:  # not open when the sanitizers' own backward wrapper ran: tell them
+                    _patches.backward_seen(tensors, made)
+            return orig_backward(tensors, *args, **kwargs)
+
+        backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
+        torch.autograd.backward = backward
+        self._backward = (orig_backward, backward)
+        # OptimizedModule warns that global module hooks fire once more for it: ours expect that.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there "
+                                "are global hooks")
+        self._sync_hooks()
+
+    def uninstall(self) -> None:
+        self._set_module_hooks(False)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self._init is not None:
+            orig, ours = self._init
+            if torch.optim.Optimizer.__dict__.get("__init__") is ours:
+                torch.optim.Optimizer.__init__ = orig
+            self._init = None  # the backward wrapper, if still wrapped by another, passes through
+        if self._backward is not None:
+            orig, ours = self._backward
+            if torch.autograd.backward is ours:
+                torch.autograd.backward = orig
+            self._backward = None
+
+    def _active(self) -> list:
+        return [p for p in self.pairings if not p.replaced]
+
+    def _pending(self) -> list:
+        paired = {id(o) for p in self._active() for o in p.optimizers}
+        return [o for o in list(self._order.keys())
+                if id(o) not in paired and o not in self._retired and o not in self._orphans]
+
+    def _sync_hooks(self) -> None:
+        self._set_module_hooks(bool(self._pending()) or not self._active())
+
+    def _set_module_hooks(self, on: bool) -> None:
+        if on and not self._module_hooks:
+            self._depth = threading.local()  # a call under way when they went off never returns
+            self._module_hooks = [
+                register_module_forward_pre_hook(self._on_call),
+                register_module_forward_hook(self._on_return, always_call=True),
+            ]
+        elif not on and self._module_hooks:
+            for h in self._module_hooks:
+                h.remove()
+            self._module_hooks = []
+
+    # events -------------------------------------------------------------------------------------
+
+    def _on_call(self, module: torch.nn.Module, args: tuple) -> None:
+        if _compile.is_compiling():
+            return  # traced into a graph: a no-op there (compiled calls are paired at the step)
+        depth = getattr(self._depth, "n", 0) + 1
+        self._depth.n = depth
+        if depth == 1:
+            grad = torch.is_grad_enabled()
+            if grad or module.training:
+                self._on_top_call(module, args, grad)
+
+    def _on_return(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not _compile.is_compiling():
+            self._depth.n = max(0, getattr(self._depth, "n", 0) - 1)
+
+    def _on_top_call(self, module: torch.nn.Module, args: tuple, grad: bool) -> None:
+        model = _compile.unwrap_compiled(module)
+        ids = _trainable(model)
+        if not ids or model in self._skip or self._ours(model) or any(
+                p.ids & ids for p in self._active()):
+            return  # nothing to train, refused, or attached (itself, a wrapper or a submodule)
+        opts = self._candidates(ids)
+        if not opts:
+            if grad and model.training and not len(self._order):
+                # no optimizer in the script: a loop updating p.data by hand (manual mode)
+                san = self._attach(model, [], None)
+                if san is not None and model is module:
+                    san.training_forward(*args)
+            return  # the script has optimizers, none of them for this module; or eval mode
+        held = set().union(*(_held(o) for o in opts))
+        if held <= {id(p) for p in model.parameters()}:
+            targets = [model]
+        else:
+            # The optimizers hold more than this module: attach the module holding them all (an
+            # agent whose code calls agent.actor(x), agent.critic(x)), or each root holding some.
+            targets = self._free([_compile.unwrap_compiled(m) for m in _holders(held)])
+            if not targets:
+                return
+            model = _one_model(targets)
+        san = self._attach(model, self._candidates({id(p) for p in model.parameters()}), None)
+        if san is not None and model is module:
+            # The sanitizer's own pre-hook was registered during this call and is not called for
+            # it: report the forward (for a torch.compile wrapper the hook traced inside does).
+            # Under no_grad too: a training forward without gradients (no_grad_leak).
+            san.training_forward(*args)
+        elif san is not None and RootlessForwards.needed(model):
+            san.training_forward(*args)  # this call was the first of its submodules' calls
+
+    def _free(self, roots: list) -> list:
+        """Of `roots`, those not refused and not attached (through themselves or another)."""
+        out = []
+        for root in roots:
+            own = {id(p) for p in root.parameters()}
+            if root not in self._skip and not self._ours(root) and not any(
+                    p.ids & own for p in self._active()):
+                out.append(root)
+        return out
+
+    def _ours(self, model: torch.nn.Module) -> bool:
+        """`model` has one of our sanitizers (its parameters may have been replaced since: it is
+        re-attached at its optimizer's step, not inside a call, Note [Launcher pairing])."""
+        san = trainsan.attached(model)
+        return san is not None and any(p.san is san for p in self._active())
+
+    def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if opt not in self._order or not any(o is opt for o in self._pending()):
+            return
+        self._pair(opt, "stepped")
+
+    def _on_backward(self) -> list:
+        """Before the first backward while optimizers are pending: pair them (a forward that
+        skipped the module hooks: model.forward(), model.compile()). The sanitizers made here."""
+        before = len(self.pairings)
+        for opt in self._pending():
+            if any(o is opt for o in self._pending()):  # (pairing one may have paired others)
+                self._pair(opt, "ran backward() for")
+        return [p.san for p in self.pairings[before:]]
+
+    def _pair(self, opt: torch.optim.Optimizer, event: str) -> None:
+        """Pairs an optimizer that no training forward paired (Note [Launcher pairing])."""
+        ids = _held(opt)
+        owner = next((p for p in self._active() if p.known_ids() & ids), None)
+        if owner is not None:
+            self._attach(owner.model, self._candidates(owner.known_ids()), owner)
+            return
+        roots = [_compile.unwrap_compiled(m) for m in _holders(ids)]
+        if not roots:
+            self._orphans.add(opt)
+            self.notes.append(f"the script {event} {type(opt).__name__} ({len(ids)} tensors), "
+                              "but no module holds its parameters: not checked")
+        free = self._free(roots)  # less those refused (a note says why) or attached
+        if free:
+            model = _one_model(free)
+            self._attach(model, self._candidates({id(p) for p in model.parameters()}), None)
+        if roots and not any(o is opt for p in self._active() for o in p.optimizers):
+            self._orphans.add(opt)  # its models were refused (the notes say why)
+        self._sync_hooks()
+
+    def uncovered(self) -> list:
+        """Lines for the optimizers' parameters no sanitizer checks: optimizers never attached
+        (with why), and parameters of attached ones that no attached model holds."""
+        lines = []
+        covered = set()
+        for p in self._active():
+            covered |= p.ids
+        for opt, n in sorted(list(self._order.items()), key=lambda t: t[1]):
+            held = _held(opt)
+            if opt in self._orphans or opt in self._retired:
+                continue  # a note says why, or a newer optimizer holding the same took over
+            if not any(o is opt for p in self._active() for o in p.optimizers):
+                lines.append(f"{type(opt).__name__} (optimizer {n}, {len(held)} tensors) was not "
+                             "checked: it never stepped, and no module holding its parameters "
+                             "ran a training forward or a backward")
+                continue
+            gone = held - covered
+            if gone:
+                lines.append(f"{len(gone)} of the {len(held)} tensors of {type(opt).__name__} "
+                             f"(optimizer {n}) are in no attached model: not checked (no live "
+                             "module holds them: tensors given to the optimizer directly)")
+        return lines
+
+    # attaching ----------------------------------------------------------------------------------
+
+    def _candidates(self, ids: set) -> list:
+        """The recorded optimizers holding any of `ids`, newest first, less those replaced by
+        newer ones (which are retired for good)."""
+        out, newer = [], set()
+        for _, opt in sorted(((n, o) for o, n in list(self._order.items())
+                              if o not in self._retired), key=lambda t: -t[0]):
+            held = _held(opt)
+            if not held & ids:
+                continue
+            if out and held <= newer:
+                self._retired.add(opt)
+                continue
+            out.append(opt)
+            newer |= held
+        return out
+
+    def _trace_path(self, slot: int) -> Optional[str]:
+        if not self._trace:
+            return None
+        stem, ext = os.path.splitext(self._trace)
+        rank = "" if self._rank is None else f".rank{self._rank}"
+        return f"{stem}{rank}{'.' + str(slot) if slot else ''}{ext}"
+
+    def _attach(self, model: torch.nn.Module, opts: list,
+                old: Optional[_Pairing]) -> Optional[trainsan.Sanitizer]:
+        prev = trainsan.attached(model)
+        if old is None and prev is not None:
+            # Ours, found again because its parameters were replaced since: re-attached.
+            old = next((p for p in self._active() if p.san is prev), None)
+        if old is None and prev is not None:
+            self._skip.add(model)
+            self.notes.append(f"the script attaches its own sanitizer to {type(model).__name__}: "
+                              "left to it")
+            return None
+        slot = old.slot if old is not None else len({p.slot for p in self.pairings})
+        trace = self._trace_path(slot)
+        if old is not None:
+            old.replaced = True
+            old.san.close()  # may raise a pending finding (policy raise): the run's error then
+        try:
+            san = trainsan.attach(model, opts or None, trace=trace, **self._kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            if isinstance(exc, trainsan.TrainingBugError):
+                raise
+            self._skip.add(model)
+            self.notes.append(f"could not attach to {type(model).__name__}: {exc}")
+            print(f"trainsan run: {self.notes[-1]}", file=sys.stderr)
+            self._sync_hooks()
+            return None
+        self.pairings.append(_Pairing(model, list(opts), san, slot, trace,
+                                      {id(p) for p in model.parameters()}))
+        self._sync_hooks()
+        return san
