@@ -61,7 +61,11 @@ namespace trainsan::host {
 // swapped parameters the ratios multiply to one. So the error needs parameters of the same shape
 // off by more than kMomentOff both above and below; a parameter off one way alone (a layer whose
 // gradient changed, a spike) is not reported, nor one without a gradient (None, sparse, frozen)
-// or with a zero scale (unused: no state built, or no gradient this step).
+// or with a zero scale (unused: no state built, or no gradient this step). A swap of parameters
+// whose gradient scales are less than kMomentOff apart goes unseen (a language model's embedding
+// and output layer of one shape measure ~7x apart). The Python package gathers MomentScale before
+// the step; the LibTorch binding (Note [C++ resume]) judges after the step, whose update already
+// mixed the new gradient into the state, and gives none.
 // At model.load_state_dict(strict=False): keys it dropped for parameters that are frozen or in
 // no optimizer stay at their initial values for good, and a state dict whose keys are the
 // model's under another prefix loaded nothing — bad_checkpoint (a new head that trains is

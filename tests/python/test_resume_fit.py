@@ -10,7 +10,8 @@ Bugs, each found:
 * the forgotten optimizer of the same model: still an error.
 Legitimate, silent: the same resumes in the saved order — after a warm-up, under a GradScaler
 (also a fused optimizer, whose gradients are still scaled at its step), with weight decay, with a
-frozen layer, with parameters without a gradient at the first step — and fine-tunes from a
+frozen layer, with parameters without a gradient at the first step or with sparse gradients
+(SparseAdam) — and fine-tunes from a
 checkpoint that holds the pretraining's optimizer (and scheduler): a torchvision-style new head
 (model.fc = nn.Linear(...)), an HF-style strict=False load under a new classifier, a frozen
 backbone with an optimizer over the head, a frozen backbone under an optimizer over everything,
@@ -184,6 +185,58 @@ def test_legitimate_resumes_stay_silent_and_the_swap_is_still_found(tmp_path, va
     else:
         (f,) = errors(san)
         assert "restored by position after the parameter order changed" in f.message
+
+
+class FusionUsers(Fusion):
+    """Fusion with a sparse user embedding, trained by SparseAdam next to AdamW (its gradients
+    are sparse: not compared)."""
+
+    def __init__(self, refactored=False):
+        super().__init__(refactored)
+        self.users = nn.Embedding(100, 32, sparse=True)
+
+    def forward(self, numeric, text, aux=False):
+        uid = (numeric[:, 0].abs() % 100).long()
+        return self.head(torch.relu(self.numeric_proj(numeric) + self.text_proj(text)
+                                    + self.users(uid)))
+
+
+@pytest.mark.parametrize("refactored", [False, True], ids=["saved_order", "refactored"])
+def test_sparse_gradients_are_skipped(tmp_path, refactored):
+    def build(refactored=False):
+        model = FusionUsers(refactored)
+        dense = [p for n, p in model.named_parameters() if not n.startswith("users.")]
+        return model, [torch.optim.SparseAdam([model.users.weight], lr=1e-2),
+                       torch.optim.AdamW(dense, lr=1e-3)]
+
+    def steps(model, opts, g, n):
+        for _ in range(n):
+            num, txt, y = fusion_batch(g)
+            for o in opts:
+                o.zero_grad()
+            F.cross_entropy(model(num, txt), y).backward()
+            for o in opts:
+                o.step()
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model, opts = build()
+    steps(model, opts, g, 10)
+    torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in opts],
+                "step": 10}, tmp_path / "users.pt")
+    model, opts = build(refactored)
+    ck = torch.load(tmp_path / "users.pt")
+    model.load_state_dict(ck["model"])
+    for o, sd in zip(opts, ck["optimizers"]):
+        o.load_state_dict(sd)
+    san = trainsan.attach(model, opts, policy="record")
+    steps(model, opts, g, 2)
+    san.close()
+    if not refactored:
+        assert san.findings == [], messages(san)
+    else:
+        (f,) = errors(san)
+        assert "optimizer 1 (AdamW)'s restored state does not fit" in f.message, f.message
 
 
 def test_rollback_within_a_run_is_silent():
