@@ -12,6 +12,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from . import _compile
+from .recompute import RecomputeWatch
 
 # Note [Gatherers]
 # ~~~~~~~~~~~~~~~~
@@ -218,8 +219,6 @@ class Reruns(Gatherer):
     (recompute.RecomputeWatch), sampled from the training forward, compared before the step."""
 
     def __init__(self, rerun) -> None:
-        from .recompute import RecomputeWatch
-
         self._rerun = rerun
         self._recompute = RecomputeWatch(rerun._ref(), rerun._model)
 

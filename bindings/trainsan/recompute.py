@@ -26,6 +26,7 @@ from . import _native
 from ._facts import _local
 from .determinism import _rng
 from .precision import _float_tensors
+from .replicas import _HASH_COL
 
 # Note [Recompute wrapper]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,17 +81,11 @@ class _Region:
         try:
             ts = [_local(t).detach() for t in _float_tensors(out, [])
                   if t.layout == torch.strided]
-            hashes = torch.ops.trainsan.tensor_stats(ts)[0][:, _hash_col()] if ts else None
+            hashes = torch.ops.trainsan.tensor_stats(ts)[0][:, _HASH_COL] if ts else None
             self.records.append((rng, hashes))
         except Exception:  # noqa: BLE001
             self.failed = True
         return out
-
-
-def _hash_col() -> int:
-    from .replicas import _HASH_COL
-
-    return _HASH_COL
 
 
 def _digest(t: torch.Tensor) -> int:
