@@ -100,11 +100,10 @@ def _rng_fingerprints() -> list:
 
 @functools.wraps(_ORIGINAL)
 def checkpoint(function, *args, **kwargs):
-    if not _sampling[0] or torch.compiler.is_compiling():
+    if not _sampling[0] or len(_regions) >= _MAX_REGIONS or torch.compiler.is_compiling():
         return _ORIGINAL(function, *args, **kwargs)
     region = _Region(function)
-    if len(_regions) < _MAX_REGIONS:
-        _regions.append(region)
+    _regions.append(region)
     if kwargs.get("use_reentrant", True) is False:
         with _tuc.set_checkpoint_early_stop(False):  # Note [Recompute wrapper]
             return _ORIGINAL(region, *args, **kwargs)
@@ -233,7 +232,7 @@ class RecomputeWatch:
         self._ref = weakref.ref(san)
         self._model = model
         self._sampling = False
-        rebind(model)  # stored before attach: gradient_checkpointing_enable() (Note [Recompute wrapper])
+        rebind(model)  # gradient_checkpointing_enable() before attach (Note [Recompute wrapper])
 
     def on_forward(self) -> None:
         """A training forward of the attached model: is this step sampled?"""
@@ -286,3 +285,6 @@ class RecomputeWatch:
         self._stop()
         if not _sampling[0]:
             _regions.clear()
+
+    def __del__(self) -> None:  # a sanitizer dropped without close() samples no more
+        self._stop()

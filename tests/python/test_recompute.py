@@ -101,7 +101,7 @@ def _train(model, steps=3, policy="record", eval_mode=False, closure=False, **op
                 opt.step()
     finally:
         san.close()
-    return [f for f in san.findings() if f.kind == "nondeterminism"]
+    return [f for f in san.findings if f.kind == "nondeterminism"]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -180,7 +180,7 @@ def test_output_without_gradient_is_not_recomputed_and_silent():
         opt.step()
     finally:
         san.close()
-    assert [f for f in san.findings() if f.kind == "nondeterminism"] == []
+    assert [f for f in san.findings if f.kind == "nondeterminism"] == []
 
 
 def test_sampling_follows_recompute_every_and_can_be_switched_off():
@@ -270,7 +270,7 @@ def test_transformers_gradient_checkpointing_enable(preserve):
             opt.step()
     finally:
         san.close()
-    found = [f for f in san.findings() if f.kind == "nondeterminism"]
+    found = [f for f in san.findings if f.kind == "nondeterminism"]
     if preserve:
         assert found == [], [f.message for f in found]
     else:
@@ -303,7 +303,7 @@ opt.zero_grad()
 out.loss.backward()
 opt.step()
 san.close()
-print([(f.kind, f.tensor) for f in san.findings() if f.kind == "nondeterminism"])
+print([(f.kind, f.tensor) for f in san.findings if f.kind == "nondeterminism"])
 """
 
 
