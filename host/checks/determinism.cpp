@@ -1,4 +1,5 @@
-// nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits.
+// nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits;
+// or an activation-checkpointed region, recomputed in the backward, gave other bits than its forward.
 #include <algorithm>
 
 #include "checks/check.h"
@@ -31,7 +32,8 @@ namespace trainsan::host {
 // the same mask. With preserve_rng_state=False, or a random draw the checkpoint does not restore,
 // the backward differentiates another mask than the forward applied: the gradients are those of
 // another function, silently (the re-runs of Note [Re-run determinism] replay the same wrong
-// masks and agree). On the steps recompute_every samples, the Python package wraps each region's
+// masks and agree). On the steps recompute_every samples (the first step the sanitizer is asked
+// about, then every N-th: DeterminismCheck::recompute_due), the Python package wraps each region's
 // function (bindings/trainsan/recompute.py) so that its first call (the forward) and its second
 // (the recompute) fingerprint their floating outputs and the RNG states (CPU, initialised CUDA
 // devices) at their starts; compare_recompute (below) decides: other outputs from other RNG
