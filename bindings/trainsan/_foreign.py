@@ -40,7 +40,7 @@ def report(sanitizers: list, leaves: list) -> None:
                 done = _named.get(san)
                 if done is None or done[0] != key:
                     try:
-                        done = (key, holder(leaves))
+                        done = (key, holder(leaves, type(san._model)))
                     except Exception:  # noqa: BLE001 - the facts without a name
                         done = (key, {})
                     _named[san] = done
@@ -50,15 +50,17 @@ def report(sanitizers: list, leaves: list) -> None:
         pass
 
 
-def holder(leaves: list) -> dict:
+def holder(leaves: list, model_type: type = type(None)) -> dict:
     """ForeignBackward's holder, holder_type and holder_params for the parameters among `leaves`:
-    the smallest live module holding them all (or, where none does, most of them), named by
-    _name; {} when no module holds any."""
+    the live module holding most of them (all, usually), and of those the one of the attached
+    model's class (the model from before the resume or copy), else the smallest, else the
+    outermost (a wrapper, a Net and its Sequential may hold the same parameters), named by _name;
+    {} when no module holds any."""
     ids = {id(t) for t in leaves if isinstance(t, torch.nn.Parameter)}
     if not ids:
         return {}
     best: Optional[torch.nn.Module] = None
-    best_cover, best_size = 0, 0
+    best_key: tuple = ()
     module = torch.nn.Module
     for obj in gc.get_objects():
         if not issubclass(type(obj), module):  # not isinstance: no object's __class__ is asked
@@ -68,12 +70,20 @@ def holder(leaves: list) -> dict:
         except Exception:  # noqa: BLE001 - a half-built module
             continue
         cover = len(ids & own)
-        if cover and (cover > best_cover or (cover == best_cover and len(own) < best_size)):
-            best, best_cover, best_size = obj, cover, len(own)
+        if not cover:
+            continue
+        key = (cover, type(obj) is model_type, -len(own))
+        if best is None or key > best_key or (key == best_key and _inside(best, obj)):
+            best, best_key = obj, key
     if best is None:
         return {}
+    best_size = -best_key[2]
     return {"holder": _name(best) or "a live module",
             "holder_type": type(best).__name__, "holder_params": best_size}
+
+
+def _inside(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
+    return inner is not outer and any(m is inner for m in outer.modules())
 
 
 def _user_frames():

@@ -35,6 +35,9 @@ namespace trainsan::host {
 //    counted, and have no leaf in any graph; a teacher in no optimizer is not stepped by ours;
 //  * EMA copies and evaluation passes run no backward; LBFGS's closures and gradient accumulation
 //    run several backwards per step, all ours;
+//  * a step whose model ran its forwards since the previous step only under no_grad in train
+//    mode is no_grad_leak's (Note [Mode rules]): a backbone left in `with torch.no_grad():` while
+//    the head, attached apart, trains; that error's advice is the right one there;
 //  * a gradient assigned by hand counts as reached (p.grad holds a nonzero element): Reptile,
 //    first-order MAML and outer optimizers (DiLoCo) run their backwards on an inner copy and set
 //    .grad of the stepped parameters themselves, so the hooks see nothing.
@@ -64,8 +67,11 @@ bool GradientFlowCheck::foreign_step(const StepView& v) {
       reached_el += p.param.numel;
     }
   }
+  // The model's forwards since the step all ran under no_grad in train mode: no_grad_leak's step
+  // (Note [Mode rules]), whose advice is the right one.
+  const bool no_grad_leak = v.no_grad_train_forwards > 0 && v.grad_forwards == 0;
   const bool holds = v.foreign_backwards > 0 && v.foreign.leaves > 0 && counted > 0 &&
-                     reached_el * 16 <= counted_el;
+                     reached_el * 16 <= counted_el && !no_grad_leak;
   steps = holds ? steps + 1 : 0;
   if (!holds || steps < opts_.missing_grad_patience) return false;
   const ForeignBackward& f = v.foreign;

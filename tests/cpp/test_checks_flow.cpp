@@ -198,6 +198,9 @@ TEST(GradientFlowCheck, ForeignBackwardTwinsStaySilent) {
   StepView assigned = foreign_step(13, false, false, 1);  // .grad set by hand (Reptile)
   assigned.params[0].grad = stats(0.5, 1000);
   c.on_step(assigned);
+  StepView leak = foreign_step(14, false, false, 1);  // no_grad_leak's step
+  leak.no_grad_train_forwards = 1;
+  c.on_step(leak);
   StepView no_leaves = foreign_step(8, false, false, 1);
   no_leaves.foreign.leaves = 0;
   c.on_step(no_leaves);

@@ -158,6 +158,18 @@ def test_closure_over_the_old_model():
     assert "held by loss_fn (its closure's m) (Net, 4 parameters)" in found[0].message
 
 
+def test_holder_prefers_the_attached_models_class_then_the_outermost_module():
+    from trainsan import _foreign
+
+    criterion = LossWrapper(Net())  # Net and its Sequential hold the same 4 parameters
+    leaves = list(criterion.parameters())
+    named = _foreign.holder(leaves, Net)
+    assert named == {"holder": "criterion.model", "holder_type": "Net", "holder_params": 4}
+    named = _foreign.holder(leaves)
+    assert named == {"holder": "criterion", "holder_type": "LossWrapper", "holder_params": 4}
+    assert _foreign.holder([torch.zeros(2, requires_grad=True)]) == {}
+
+
 # --- the legitimate twins, each with other models' backwards in the loop ------------------------
 
 
