@@ -20,23 +20,31 @@ from . import _native
 
 # sanitizer -> (key of the leaves named, the holder fields)
 _named: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# sanitizer -> (key of the leaves told, its optimizers' steps then, whether named)
+_told: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _FRAMES = 30  # user frames searched for a name
 
 
-def report(sanitizers: list, leaves: list) -> None:
+def report(sanitizers: list, leaves: list, step_counts: Any) -> None:
     """The backward whose graph reached `leaves` (requires-grad tensors) and none of the
-    parameters of `sanitizers`: told to each of them. Never raises."""
+    parameters of `sanitizers`: told to each of them — once per set of leaves between two steps
+    of its optimizers (`step_counts`: optimizer -> steps so far), as the rule needs one such
+    backward since the step and the latest one's facts. Never raises."""
     try:
-        facts = {"leaves": len(leaves), "elements": sum(int(t.numel()) for t in leaves)}
         key = (len(leaves), id(leaves[0]), id(leaves[-1]))
         for san in sanitizers:
             if san._closed:
                 continue
             handle = san._handle
+            steps = sum(step_counts.get(o, 0) for o in san._optimizers)
+            suspected = handle.foreign_suspected()
+            told = _told.get(san)
+            if told is not None and told[:2] == (key, steps) and told[2] >= suspected:
+                continue
             named = {}
-            if handle.foreign_suspected():
+            if suspected:
                 done = _named.get(san)
                 if done is None or done[0] != key:
                     try:
@@ -45,7 +53,10 @@ def report(sanitizers: list, leaves: list) -> None:
                         done = (key, {})
                     _named[san] = done
                 named = done[1]
-            handle.foreign_backward(_native.facts("ForeignBackward", **facts, **named))
+            handle.foreign_backward(_native.facts(
+                "ForeignBackward", leaves=len(leaves),
+                elements=sum(int(t.numel()) for t in leaves), **named))
+            _told[san] = (key, steps, suspected)
     except Exception:  # noqa: BLE001 - never break the user's backward
         pass
 

@@ -295,7 +295,7 @@ def _loss_owners(root: torch.Tensor) -> list:
     if not stack and reached:  # walked to its end
         missed = [s for s in targets if s not in found and s._optimizers]
         if missed:
-            _foreign.report(missed, reached)
+            _foreign.report(missed, reached, _step_counts)
     owners = [s for s in found if s in cands]
     if not owners:
         # Walked out of budget: with one candidate, it (as before); a graph walked to its end that

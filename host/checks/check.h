@@ -134,8 +134,9 @@ struct StepView {
   int64_t no_grad_train_forwards = 0;
   int64_t grad_forwards = 0;
   /// Backwards since the stepping optimizer's previous step whose graph reached none of the
-  /// sanitizer's parameters but reached requires-grad leaves outside them, and the latest of
-  /// them (Note [Foreign backwards], gradient_flow.cpp).
+  /// sanitizer's parameters but reached requires-grad leaves outside them (the Python package
+  /// reports one per set of leaves between steps: only "> 0" is read), and the latest of them
+  /// (Note [Foreign backwards], gradient_flow.cpp).
   int64_t foreign_backwards = 0;
   ForeignBackward foreign;
   StepTotals totals;

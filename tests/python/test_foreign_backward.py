@@ -277,6 +277,54 @@ def test_two_models_with_two_optimizers_in_alternating_phases_are_silent():
     assert san.findings == [], [str(f) for f in san.findings]
 
 
+def test_ema_eval_accumulation_and_lbfgs_beside_a_probe_are_silent():
+    """An EMA copy updated under no_grad, an evaluation pass, gradient accumulation over 4
+    backwards, then LBFGS with its closure; a probe (attached nowhere) trains alongside."""
+    torch.manual_seed(0)
+    model, probe = Net(), nn.Linear(16, 4)
+    ema = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+
+    def probe_step(x, y):
+        probe_opt.zero_grad()
+        F.cross_entropy(probe(x), y).backward()
+        probe_opt.step()
+
+    with trainsan.attach(model, opt, policy="record") as san:
+        for _ in range(6):
+            opt.zero_grad()
+            for _ in range(4):
+                x, y = _batch()
+                (F.cross_entropy(model(x), y) / 4).backward()
+                probe_step(x, y)
+            opt.step()
+            with torch.no_grad():
+                for pe, pm in zip(ema.parameters(), model.parameters()):
+                    pe.mul_(0.9).add_(pm, alpha=0.1)
+                model.eval()
+                ema(x), model(x)
+                model.train()
+    assert san.findings == [], [str(f) for f in san.findings]
+
+    torch.manual_seed(0)
+    model = Net()
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    with trainsan.attach(model, lbfgs, policy="record") as san:
+        for _ in range(5):
+            x, y = _batch()
+            probe_step(x, y)
+
+            def closure():
+                lbfgs.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            lbfgs.step(closure)
+    assert not _foreign(san.findings), [str(f) for f in san.findings]
+
+
 def test_reptile_outer_step_over_an_inner_copy_is_silent():
     """The inner copy's backwards reach none of the meta-model's parameters, whose .grad the
     outer step sets by hand: a gradient, though no hook saw it."""
