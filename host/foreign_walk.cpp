@@ -5,6 +5,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
+#include <functional>
 #include <unordered_set>
 #include <vector>
 
@@ -25,8 +27,10 @@ void SanitizerImpl::foreign_backward(const ForeignBackward& facts) {
 
 void SanitizerImpl::walk_loss(const at::Tensor& loss) {
   if (closed || setup.gathers_events || !loss.defined() || !loss.grad_fn()) return;
-  std::unordered_set<const c10::TensorImpl*> ours;
-  for (const TrackedParam& p : params) ours.insert(p.param.unsafeGetTensorImpl());
+  if (param_impls.empty()) {  // once: the parameters of a LibTorch sanitizer are fixed
+    for (const TrackedParam& p : params) param_impls.push_back(p.param.unsafeGetTensorImpl());
+    std::sort(param_impls.begin(), param_impls.end(), std::less<const void*>());
+  }
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
   ForeignBackward f;
@@ -37,7 +41,11 @@ void SanitizerImpl::walk_loss(const at::Tensor& loss) {
     if (node == nullptr || !seen.insert(node).second) continue;
     budget -= 1;
     if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
-      if (ours.count(acc->variable.unsafeGetTensorImpl()) > 0) return;  // our loss
+      const void* impl = acc->variable.unsafeGetTensorImpl();
+      if (std::binary_search(param_impls.begin(), param_impls.end(), impl,
+                             std::less<const void*>())) {
+        return;  // our loss
+      }
       f.leaves += 1;
       f.elements += acc->variable.numel();
     }

@@ -126,6 +126,7 @@ struct SanitizerImpl {
   int64_t foreign_total = 0;
   ForeignBackward foreign_latest;
   std::map<int64_t, int64_t> foreign_at_step;
+  std::vector<const void*> param_impls;  // walk_loss: the parameters' TensorImpls, sorted
   void foreign_backward(const ForeignBackward& facts);
   /// A LibTorch loss (Setup::gathers_events false): its graph walked as Note [Loss roots] does in
   /// Python, reported to foreign_backward when it reaches none of our parameters.
