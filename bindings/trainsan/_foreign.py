@@ -2,9 +2,10 @@
 backward whose root's graph, walked to its end by the walk of Note [Loss roots] (_patches.py),
 reached none of an open sanitizer's parameters but other requires-grad leaves is reported to it
 (Sanitizer::foreign_backward). Once a step of that sanitizer looked wrong (foreign_suspected),
-what holds those leaves is named — the smallest live nn.Module holding them, found with gc, and
-the variable, attribute or closure it is reachable under from the frames of the backward's caller
-— once per set of leaves: the search costs, so it runs only where a finding is due."""
+what holds those leaves is named — the live nn.Module holding them (of the attached model's
+class where one is: the model from before the resume or copy), found with gc, and the variable,
+attribute or closure it is reachable under from the frames of the backward's caller — once per
+set of leaves: the search costs, so it runs only where a finding is due."""
 
 from __future__ import annotations
 
