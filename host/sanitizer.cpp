@@ -218,6 +218,9 @@ void SanitizerImpl::end_iteration(bool backward_ran) {
       const auto at = forwards_at_step[opt];
       judge = no_grad_now > at.second && grad_now == at.first;
     }
+    // A foreign backward since its previous step (Note [Foreign backwards]): a step that moved
+    // nothing, as its parameters got no gradient, is judged too.
+    judge = judge || foreign_total > foreign_at_step[opt];
     if (!judge) continue;
     if (const auto resumed = setup.binding->first_step_after_load(opt)) {
       events_seen.insert("optimizer_reset");
@@ -360,6 +363,7 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   audit->flush();
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   check_tensors({loss}, "watch_loss");
+  walk_loss(loss);  // a LibTorch loop's: Note [Foreign backwards]
   LossView v;
   v.step = step;
   v.outcome = loss_seq;

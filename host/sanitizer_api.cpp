@@ -121,6 +121,12 @@ void Sanitizer::forward(const ForwardFacts& facts) {
   report();
 }
 
+void Sanitizer::foreign_backward(const ForeignBackward& facts) { impl_->foreign_backward(facts); }
+
+bool Sanitizer::foreign_suspected() const {
+  return !impl_->closed && impl_->checks.flow.foreign_suspected();
+}
+
 void Sanitizer::backward_without_graph() {
   impl_->backward_without_graph();
   report();

@@ -121,6 +121,16 @@ struct SanitizerImpl {
     const auto own = it == forwards_of_opt.end() ? std::pair<int64_t, int64_t>{0, 0} : it->second;
     return {grad_forwards_total + own.first, no_grad_train_forwards_total + own.second};
   }
+  // Note [Foreign backwards]: such backwards so far, the latest one, and the count at each
+  // optimizer's previous step (-1: manual mode).
+  int64_t foreign_total = 0;
+  ForeignBackward foreign_latest;
+  std::map<int64_t, int64_t> foreign_at_step;
+  std::vector<const void*> param_impls;  // walk_loss: the parameters' TensorImpls, sorted
+  void foreign_backward(const ForeignBackward& facts);
+  /// A LibTorch loss (Setup::gathers_events false): its graph walked as Note [Loss roots] does in
+  /// Python, reported to foreign_backward when it reaches none of our parameters.
+  void walk_loss(const at::Tensor& loss);
   int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)

@@ -40,6 +40,8 @@ struct SanitizerImpl::Pass {
   std::vector<size_t> eval_modules;
   int64_t grad_forwards = 0;
   int64_t no_grad_train_forwards = 0;
+  int64_t foreign_backwards = 0;  // Note [Foreign backwards]
+  ForeignBackward foreign;
 };
 
 namespace {
@@ -163,6 +165,10 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     p->no_grad_train_forwards = no_grad_now - no_grad_at;
     grad_at = grad_now;
     no_grad_at = no_grad_now;
+    int64_t& foreign_at = foreign_at_step[key];
+    p->foreign_backwards = foreign_total - foreign_at;
+    p->foreign = foreign_latest;
+    foreign_at = foreign_total;
   }
   for (size_t i = 0; i < params.size(); ++i) {
     // A step covers its optimizer's parameters and those in no optimizer
@@ -277,6 +283,8 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.eval_modules = p.eval_modules;
   v.grad_forwards = p.grad_forwards;
   v.no_grad_train_forwards = p.no_grad_train_forwards;
+  v.foreign_backwards = p.foreign_backwards;
+  v.foreign = p.foreign;
   v.params.resize(p.indices.size());
   for (size_t k = 0; k < p.indices.size(); ++k) {
     const size_t i = p.indices[k];

@@ -228,6 +228,11 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->watch_loss(loss);
              return h->take();
            })
+      .def("foreign_backward",
+           [](const H& h, FactsDict facts) {
+             h->san->foreign_backward(facts_from_dict<trainsan::ForeignBackward>(facts));
+           })
+      .def("foreign_suspected", [](const H& h) { return h->san->foreign_suspected(); })
       .def("backward_without_graph",
            [](const H& h) {
              h->san->backward_without_graph();

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _foreign
 from ._findings import TrainingBugError
 
 
@@ -257,19 +258,28 @@ _zero_grad_patch = Patch(_zero_grad)
 # The walk also runs with one such sanitizer: a root that reaches none of its parameters (an
 # unattached probe model, a fine-tuned copy) is not its loss. The leaves the graph reaches are
 # the attached parameters, or, under FSDP2, the unsharded parameters FSDP swaps in for them
-# (Sanitizer._grad_leaf_ids). torch.autograd.grad roots are not followed.
+# (Sanitizer._grad_leaf_ids). torch.autograd.grad roots are not followed. A root walked to its end
+# that reached none of a sanitizer's parameters but other requires-grad leaves is a foreign
+# backward to it (Note [Foreign backwards], _foreign.py).
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
 _WALK_LIMIT = 20000
 
 
 def _loss_owners(root: torch.Tensor) -> list:
-    cands = [s for s in list(_open_sanitizers) if not s._closed and s._last_train_forward >= 0]
-    if not cands:
-        return cands
+    opened = [s for s in list(_open_sanitizers) if not s._closed]
+    cands = [s for s in opened if s._last_train_forward >= 0]
+    # Note [Foreign backwards] (host/checks/gradient_flow.cpp): the walk also looks for the models
+    # of the sanitizers with an optimizer whose model ran no training forward yet (a loss wrapper
+    # holding an older copy of it may be all that runs), and a root it walks to its end without
+    # reaching some sanitizer's parameters is reported to it with the leaves it did reach.
+    targets = cands + [s for s in opened if s._last_train_forward < 0 and s._optimizers]
+    if not targets:
+        return []
     found: dict = {}
-    leaves = {s: s._grad_leaf_ids() for s in cands}  # looked up once a walk, not once a node
+    leaves = {s: s._grad_leaf_ids() for s in targets}  # looked up once a walk, not once a node
+    reached: list = []  # the requires-grad leaves reached (none of them a missed target's)
     seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
-    while stack and budget > 0 and len(found) < len(cands):
+    while stack and budget > 0 and len(found) < len(targets):
         node = stack.pop()
         if node is None or node in seen:
             continue
@@ -277,15 +287,21 @@ def _loss_owners(root: torch.Tensor) -> list:
         budget -= 1
         var = getattr(node, "variable", None)
         if isinstance(var, torch.Tensor):
-            for s in cands:
+            reached.append(var)
+            for s in targets:
                 if id(var) in s._param_ids or id(var) in leaves[s]:
                     found.setdefault(s, True)
         stack.extend(fn for fn, _ in node.next_functions)
-    if not found:
+    if not stack and reached:  # walked to its end
+        missed = [s for s in targets if s not in found and s._optimizers]
+        if missed:
+            _foreign.report(missed, reached, _step_counts)
+    owners = [s for s in found if s in cands]
+    if not owners:
         # Walked out of budget: with one candidate, it (as before); a graph walked to its end that
         # reaches none of the attached parameters is another model's loss (a probe, a copy).
         return cands if budget <= 0 and len(cands) == 1 else []
-    return [min(found, key=lambda s: s._last_train_forward)]
+    return [min(owners, key=lambda s: s._last_train_forward)]
 
 
 def _watch_roots(tensors: Any) -> None:

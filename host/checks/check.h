@@ -133,6 +133,12 @@ struct StepView {
   /// no_grad in train mode, and with grad enabled (no_grad_leak).
   int64_t no_grad_train_forwards = 0;
   int64_t grad_forwards = 0;
+  /// Backwards since the stepping optimizer's previous step whose graph reached none of the
+  /// sanitizer's parameters but reached requires-grad leaves outside them (the Python package
+  /// reports one per set of leaves between steps: only "> 0" is read), and the latest of them
+  /// (Note [Foreign backwards], gradient_flow.cpp).
+  int64_t foreign_backwards = 0;
+  ForeignBackward foreign;
   StepTotals totals;
 };
 /// Fills view.totals from view.params.
@@ -222,10 +228,17 @@ class GradientFlowCheck {  // gradient_flow.cpp: missing_grad, stale_grad, param
         steps_without_grad_(num_params, 0),
         vanishing_steps_(num_params, 0) {}
   void on_step(const StepView& v);
+  /// A step of some optimizer already looked like Note [Foreign backwards] (its parameters got
+  /// no gradient while a foreign backward ran): the caller names what such a backward reached
+  /// (ForeignBackward::holder), which costs a search, only from then on.
+  bool foreign_suspected() const;
 
  private:
+  /// Note [Foreign backwards]: whether it reported.
+  bool foreign_step(const StepView& v);
   FindingSink& sink_;
   const Options& opts_;
+  std::vector<std::pair<int64_t, int64_t>> foreign_steps_;  // (StepView::opt, consecutive steps)
   std::vector<int64_t> steps_without_grad_;
   std::vector<int64_t> vanishing_steps_;
   bool manual_prev_changed_ = false;  // manual mode: the previous pass saw a parameter change

@@ -92,6 +92,162 @@ TEST(GradientFlowCheck, MissingGradCountsOnlyTrainableParametersOfAnOptimizer) {
   }
 }
 
+// Note [Foreign backwards]: a step of optimizer `opt` whose parameters "w" (big) and "head"
+// (small) got a gradient or not, after `foreign` backwards that reached none of them.
+StepView foreign_step(int64_t step, bool w_grad, bool head_grad, int64_t foreign, int64_t opt = 0) {
+  StepView v;
+  v.step = step;
+  v.opt = opt;
+  v.params = {param(0, "w"), param(1, "head")};
+  v.params[0].param = stats(1.0, 1000);
+  v.params[1].param = stats(1.0, 10);
+  v.params[0].observed.got_grad = w_grad;
+  v.params[1].observed.got_grad = head_grad;
+  if (!w_grad) v.params[0].grad.reset();
+  if (!head_grad) v.params[1].grad.reset();
+  for (ParamView& p : v.params) p.opt = opt;
+  v.foreign_backwards = foreign;
+  v.foreign.leaves = 6;
+  v.foreign.elements = 1010;
+  v.foreign.holder = "criterion.model";
+  v.foreign.holder_type = "Net";
+  v.foreign.holder_params = 6;
+  compute_totals(v);
+  return v;
+}
+
+TEST(GradientFlowCheck, ForeignBackwardFiresAtThePatienceNamingTheHolder) {
+  FakeSink sink;
+  Options o;
+  o.missing_grad_patience = 3;
+  GradientFlowCheck c(sink, o, 2);
+  EXPECT_FALSE(c.foreign_suspected());
+  c.on_step(foreign_step(0, false, false, 1));
+  EXPECT_TRUE(c.foreign_suspected());  // the caller names the holder from now on
+  c.on_step(foreign_step(1, false, false, 2));
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(foreign_step(2, false, false, 1));
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::missing_grad);
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[0].message,
+            "none of the 2 trainable parameters optimizer 0 steps got a gradient, for 3 steps, "
+            "while the backward since its previous step reached 6 requires-grad tensors (1010 "
+            "elements) outside this model, held by criterion.model (Net, 6 parameters) — the "
+            "backward trains another model: a loss wrapper or closure still holds the model from "
+            "before a resume or copy (it was built before `model = Net(); "
+            "model.load_state_dict(...)` or `model = copy.deepcopy(model)`); rebuild it around "
+            "the model the optimizer steps (e.g. criterion = LossWrapper(model))");
+  EXPECT_EQ(sink.calls[0].value, 3.0);
+  EXPECT_EQ(sink.calls[0].step, 2);
+}
+
+// "A small fraction": an old backbone feeding a new head (1% of the elements) still fires, and
+// the per-parameter missing_grad of "w" (whose advice would be wrong) is left out of that step;
+// 1/16 of the elements is the edge.
+TEST(GradientFlowCheck, ForeignBackwardSmallFractionAndItsEdge) {
+  {
+    FakeSink sink;
+    Options o;
+    o.missing_grad_patience = 1;
+    GradientFlowCheck c(sink, o, 2);
+    c.on_step(foreign_step(0, false, true, 1));
+    ASSERT_EQ(sink.calls.size(), 1u);
+    EXPECT_EQ(sink.calls[0].message.rfind("only 1 of the 2 trainable parameters", 0), 0u);
+    EXPECT_EQ(sink.count(Kind::missing_grad, "w"), 0);
+  }
+  for (const int64_t head : {62, 63, 100}) {  // 1000 + 62 = 1062: 62 * 16 = 992 <= 1062
+    FakeSink sink;
+    Options o;
+    o.missing_grad_patience = 1;
+    GradientFlowCheck c(sink, o, 2);
+    StepView v = foreign_step(0, false, true, 1);
+    v.params[1].param = stats(1.0, head);
+    c.on_step(v);
+    EXPECT_EQ(sink.count(Kind::missing_grad, ""), head * 16 <= 1000 + head ? 1 : 0) << head;
+  }
+}
+
+// The legitimate twins: our backward reached our parameters (several models, a GAN, a probe); no
+// foreign backward (MoE routing, a frozen part: per-parameter missing_grad's business); frozen
+// or optimizer-less parameters are not counted; another optimizer's step; a partial or manual
+// step; a gradient resets the count.
+TEST(GradientFlowCheck, ForeignBackwardTwinsStaySilent) {
+  FakeSink sink;
+  Options o;
+  o.missing_grad_patience = 1;
+  GradientFlowCheck c(sink, o, 2);
+  c.on_step(foreign_step(0, true, true, 5));    // ours reached too (a GAN's G with D's backward)
+  c.on_step(foreign_step(1, true, false, 3));   // most of ours reached
+  c.on_step(foreign_step(2, false, false, 0));  // no foreign backward: not this rule
+  StepView frozen = foreign_step(3, false, false, 1);
+  for (ParamView& p : frozen.params) p.trainable = false;
+  c.on_step(frozen);
+  StepView orphans = foreign_step(4, false, false, 1);
+  for (ParamView& p : orphans.params) p.opt = -1;
+  c.on_step(orphans);
+  StepView other = foreign_step(5, false, false, 1, /*opt=*/1);
+  for (ParamView& p : other.params) p.opt = 0;  // ours are in optimizer 0; optimizer 1 stepped
+  c.on_step(other);
+  StepView partial = foreign_step(6, false, false, 1);
+  partial.partial = true;
+  c.on_step(partial);
+  StepView manual = foreign_step(7, false, false, 1);
+  manual.manual = true;
+  c.on_step(manual);
+  StepView assigned = foreign_step(13, false, false, 1);  // .grad set by hand (Reptile)
+  assigned.params[0].grad = stats(0.5, 1000);
+  c.on_step(assigned);
+  StepView leak = foreign_step(14, false, false, 1);  // no_grad_leak's step
+  leak.no_grad_train_forwards = 1;
+  c.on_step(leak);
+  StepView no_leaves = foreign_step(8, false, false, 1);
+  no_leaves.foreign.leaves = 0;
+  c.on_step(no_leaves);
+  EXPECT_EQ(sink.count(Kind::missing_grad, ""), 0);
+  // Consecutive steps: one with our gradient in between resets the count.
+  o.missing_grad_patience = 2;
+  c.on_step(foreign_step(9, false, false, 1));
+  c.on_step(foreign_step(10, true, true, 1));
+  c.on_step(foreign_step(11, false, false, 1));
+  EXPECT_EQ(sink.count(Kind::missing_grad, ""), 0);
+  c.on_step(foreign_step(12, false, false, 1));
+  EXPECT_EQ(sink.count(Kind::missing_grad, ""), 1);
+}
+
+// zero_grad(set_to_none=False): the stepped parameters hold all-zero gradients, still none.
+TEST(GradientFlowCheck, ForeignBackwardCountsZeroFilledGradientsAsNone) {
+  FakeSink sink;
+  Options o;
+  o.missing_grad_patience = 1;
+  GradientFlowCheck c(sink, o, 2);
+  StepView v = foreign_step(0, false, false, 1);
+  v.params[0].grad = stats(0.0, 1000);
+  v.params[0].grad->zero = 1000;
+  c.on_step(v);
+  EXPECT_EQ(sink.count(Kind::missing_grad, ""), 1);
+}
+
+// Without a holder (a LibTorch loop: the walk counts the leaves, no names) the message says so.
+TEST(GradientFlowCheck, ForeignBackwardWithoutAHolder) {
+  FakeSink sink;
+  Options o;
+  o.missing_grad_patience = 1;
+  GradientFlowCheck c(sink, o, 2);
+  StepView v = foreign_step(0, false, false, 1);
+  v.opt = -1;  // the C++ end_step() without a binding: every parameter in an optimizer
+  v.foreign = ForeignBackward{};
+  v.foreign.leaves = 1;
+  v.foreign.elements = 4;
+  c.on_step(v);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  const std::string prefix =
+      "none of the 2 trainable parameters in an optimizer got a gradient, for 1 step, while the "
+      "backward since its previous step reached 1 requires-grad tensor (4 elements) outside this "
+      "model —";
+  EXPECT_EQ(sink.calls[0].message.rfind(prefix, 0), 0u) << sink.calls[0].message;
+}
+
 TEST(GradientFlowCheck, StaleGradAndParamNotInOptimizer) {
   FakeSink sink;
   Options o;

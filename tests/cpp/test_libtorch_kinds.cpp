@@ -103,6 +103,43 @@ struct DoubledExp : torch::autograd::Function<DoubledExp> {
   }
 };
 
+// Note [Foreign backwards]: a loss made by the model from before a copy trains that one while the
+// optimizer steps the copy; end_step(loss) walks the loss's graph. Its twin uses the copy.
+TEST(LibTorchKinds, ALossOfTheModelBeforeACopyIsMissingGrad) {
+  for (const bool bug : {true, false}) {
+    torch::manual_seed(0);
+    Net old_net;
+    Net net;  // the model the optimizer steps
+    torch::optim::SGD opt(net.parameters(), 0.05);
+    auto san = trainsan::attach(net, opt, record());
+    for (int i = 0; i < 5; ++i) {
+      opt.zero_grad();
+      auto loss = kCrossEntropy((bug ? old_net : net).forward(batch(i)), i);
+      loss.backward();
+      opt.step();
+      san.end_step(loss);
+    }
+    san.close();
+    std::vector<trainsan::Finding> foreign;
+    for (const auto& f : san.findings()) {
+      if (f.kind == "missing_grad" && f.tensor.empty()) foreign.push_back(f);
+    }
+    if (!bug) {
+      EXPECT_TRUE(san.findings().empty()) << san.findings()[0].message;
+      continue;
+    }
+    ASSERT_EQ(foreign.size(), 1u) << kinds_of(san).size();
+    EXPECT_EQ(foreign[0].step, 2);
+    EXPECT_EQ(foreign[0].message.rfind(
+                  "missing_grad at step 2: none of the 4 trainable parameters optimizer 0 steps "
+                  "got a gradient, for 3 steps, while the backward since its previous step "
+                  "reached 4 requires-grad tensors (195 elements) outside this model — ",
+                  0),
+              0u)
+        << foreign[0].message;
+  }
+}
+
 TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
   std::set<std::string> reached = {"rank_desync"};  // tests/cpp/test_replicas_pg.cpp
   auto expect = [&](const std::string& kind, const std::set<std::string>& found) {

@@ -1,6 +1,7 @@
 // Facts of the autograd-integrity checks (inplace_before_backward, bad_custom_grad), gathered by
 // the caller (the Python package's saved-tensor hooks and autograd.Function wrapper, or a
-// LibTorch program) and judged by the sanitizer (host/checks/autograd.cpp). Torch-free.
+// LibTorch program) and judged by the sanitizer (host/checks/autograd.cpp), and of a foreign
+// backward (missing_grad, host/checks/gradient_flow.cpp). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,14 @@ struct CustomGradResult {
 #undef TRAINSAN_FACT
 };
 
+/// A backward whose autograd graph reached none of the sanitizer's parameters but reached
+/// requires-grad leaves outside them (fields: foreign_backward.def): Sanitizer::foreign_backward.
+struct ForeignBackward {
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/foreign_backward.def"
+#undef TRAINSAN_FACT
+};
+
 template <>
 struct FactTable<SavedTensorChange> {
   static constexpr const char* kName = "SavedTensorChange";
@@ -49,6 +58,17 @@ struct FactTable<CustomGradResult> {
   static void each(S& s, F&& f) {
 #define TRAINSAN_FACT TRAINSAN_FACT_VISIT
 #include "trainsan/custom_grad_result.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<ForeignBackward> {
+  static constexpr const char* kName = "ForeignBackward";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/foreign_backward.def"
 #undef TRAINSAN_FACT
   }
 };

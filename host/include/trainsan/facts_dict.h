@@ -30,7 +30,7 @@ using FactsDict = c10::Dict<std::string, c10::IValue>;
 /// The facts struct T from its fields by name. Implemented for ResumeFacts, CheckpointFacts
 /// (with CheckpointNonfinite), CheckpointContents (with OptimizerTensors, ModelTensors),
 /// Provenance (with ModuleOrigin, RangeOverflow), ReplicaReport (with ReplicaMismatch),
-/// SavedTensorChange, CustomGradResult and RerunFacts.
+/// SavedTensorChange, CustomGradResult, RerunFacts and ForeignBackward.
 template <typename T>
 T facts_from_dict(const FactsDict& fields);
 

@@ -225,6 +225,15 @@ class Sanitizer {
   /// model since its optimizer's previous step ran under no_grad in train mode, naming where that
   /// forward was called (the Python package calls it from its wrapper of torch.autograd.backward).
   void backward_without_graph();
+  /// A backward whose autograd graph, walked to its end, reached none of the parameters but
+  /// reached other requires-grad leaves (Note [Foreign backwards], host/checks/gradient_flow.cpp:
+  /// missing_grad when the stepped parameters get no gradient meanwhile). The Python package
+  /// reports them from its walk of each backward's root; a LibTorch loop's watched loss (also
+  /// end_step(loss)) is walked by the sanitizer itself.
+  void foreign_backward(const ForeignBackward& facts);
+  /// Whether a step already looked like Note [Foreign backwards]: only then is it worth naming
+  /// what a foreign backward reached (ForeignBackward::holder, a search).
+  bool foreign_suspected() const;
   /// Optimizer `opt` is about to step.
   void step_begin(int64_t opt);
   /// Optimizer `opt` has stepped: the fused pass over its gradients, parameters and snapshot,
