@@ -276,6 +276,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     }
   }
   checks.mode.on_forward(fv);
+  if (grad_enabled && training) window_forward(facts);
   if (grad_enabled && training) {
     fv.backwards_since_step = grads.training_forward(&fv.skipped);
     checks.integrity.on_forward(fv);
@@ -322,6 +323,39 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
 }
 
+void SanitizerImpl::window_forward(const ForwardFacts& facts) {
+  int64_t b = -1;  // the batch: the first input's first dimension (metadata, no sync)
+  for (const at::Tensor& t : facts.inputs) {
+    if (t.defined() && t.dim() > 0) {
+      b = t.size(0);
+      break;
+    }
+  }
+  if (win_forwards == 0) win_batch = b;
+  win_uniform = win_uniform && b == win_batch;
+  win_samples = b < 0 || win_samples < 0 ? -1 : win_samples + b;
+  win_forwards += 1;
+  checks.accumulation.on_forward(facts.loader_pass);  // judges a pending short window first
+  if (facts.loader_pass >= 0) win_pass = facts.loader_pass;
+}
+
+int64_t SanitizerImpl::window_end(int64_t step_no, int64_t opt, bool judged) {
+  WindowView w;
+  w.step = step_no;
+  w.opt = opt;
+  // trainsan::attach sees one forward an iteration (the watch): its end_step(losses) counts.
+  w.backwards = setup.binding ? win_losses : std::min(win_losses, win_forwards);
+  w.samples = win_forwards == w.backwards     ? win_samples
+              : win_uniform && win_batch >= 0 ? win_batch * w.backwards
+                                              : -1;
+  w.pass = win_pass;
+  if (judged) checks.accumulation.on_step(w);
+  win_losses = win_forwards = win_samples = 0;
+  win_batch = -1;
+  win_uniform = true;
+  return w.backwards;
+}
+
 void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
   // The first loss of a step: its targets' fingerprint for the trace (diff: data or numerics).
   if (closed || target_hash_step == step || ts.empty() || !trace.is_open()) return;
@@ -360,6 +394,8 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   audit->flush();
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   check_tensors({loss}, "watch_loss");
+  // Note [Accumulation windows]: a training loss outside an optimizer step (not a closure's).
+  if (loss.requires_grad() && !grads.in_step()) win_losses += 1;
   LossView v;
   v.step = step;
   v.outcome = loss_seq;
@@ -435,6 +471,7 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
   loss_outcome(s.skipped);
   scaler_skipped = scaler_skipped || s.skipped;
   if (s.skipped) {
+    window_end(step, s.opt, /*judged=*/true);  // the skipped step consumed its window
     grads.amp_skip(s.opt);
     amp_skips += 1;
     trace.amp_skip(step, s.opt);
@@ -523,6 +560,12 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
 Coverage SanitizerImpl::coverage_now() const {
   Coverage c = coverage;
   std::tie(c.audited_forwards, c.ops_audited) = audit->coverage();
+  const WindowsSeen w = checks.accumulation.seen();
+  c.window_declared = opts.accumulation_steps;
+  c.windows = w.counted;
+  c.window_backwards = w.common;
+  c.window_steps = w.at_common;
+  c.window_samples = w.samples;
   const bool attached = setup.binding != nullptr;
   const std::string no_forward =
       attached ? "no training forward was seen: no op read a parameter of the model together with "
@@ -585,7 +628,8 @@ void SanitizerImpl::close() {
   if (watch) watch->disarm();
   audit->close();
   readback.drain_all();
-  checks.loss.flush();  // losses whose step never ended
+  checks.loss.flush();             // losses whose step never ended
+  checks.accumulation.on_close();  // a short window pending: the run's last
   if (replica_driver) replica_driver->finish();
   grads.remove();
   closed = true;

@@ -121,6 +121,17 @@ struct SanitizerImpl {
     const auto own = it == forwards_of_opt.end() ? std::pair<int64_t, int64_t>{0, 0} : it->second;
     return {grad_forwards_total + own.first, no_grad_train_forwards_total + own.second};
   }
+  // Note [Accumulation windows]: since the previous optimizer step (outside steps), training
+  // losses and training forwards, the forwards' batch sizes summed (-1: one unknown), the first
+  // one's and whether all were equal; the latest known data loader pass.
+  int64_t win_losses = 0;
+  int64_t win_forwards = 0;
+  int64_t win_samples = 0;
+  int64_t win_batch = -1;
+  bool win_uniform = true;
+  int64_t win_pass = -1;
+  void window_forward(const ForwardFacts& facts);
+  int64_t window_end(int64_t step, int64_t opt, bool judged);  // the step's count of backwards
   int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
