@@ -323,39 +323,6 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
 }
 
-void SanitizerImpl::window_forward(const ForwardFacts& facts) {
-  int64_t b = -1;  // the batch: the first input's first dimension (metadata, no sync)
-  for (const at::Tensor& t : facts.inputs) {
-    if (t.defined() && t.dim() > 0) {
-      b = t.size(0);
-      break;
-    }
-  }
-  if (win_forwards == 0) win_batch = b;
-  win_uniform = win_uniform && b == win_batch;
-  win_samples = b < 0 || win_samples < 0 ? -1 : win_samples + b;
-  win_forwards += 1;
-  checks.accumulation.on_forward(facts.loader_pass);  // judges a pending short window first
-  if (facts.loader_pass >= 0) win_pass = facts.loader_pass;
-}
-
-int64_t SanitizerImpl::window_end(int64_t step_no, int64_t opt, bool judged) {
-  WindowView w;
-  w.step = step_no;
-  w.opt = opt;
-  // trainsan::attach sees one forward an iteration (the watch): its end_step(losses) counts.
-  w.backwards = setup.binding ? win_losses : std::min(win_losses, win_forwards);
-  w.samples = win_forwards == w.backwards     ? win_samples
-              : win_uniform && win_batch >= 0 ? win_batch * w.backwards
-                                              : -1;
-  w.pass = win_pass;
-  if (judged) checks.accumulation.on_step(w);
-  win_losses = win_forwards = win_samples = 0;
-  win_batch = -1;
-  win_uniform = true;
-  return w.backwards;
-}
-
 void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
   // The first loss of a step: its targets' fingerprint for the trace (diff: data or numerics).
   if (closed || target_hash_step == step || ts.empty() || !trace.is_open()) return;
@@ -496,7 +463,9 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
 // provenance. skipped_step's advice then names the non-finite gradients instead of a missing
 // optimizer.step(). Healthy loops never clear unused gradients: no cost to them.
 void SanitizerImpl::gradients_cleared(int64_t opt) {
-  if (closed || grads.in_step() || !opts.enabled("nonfinite_grad")) return;
+  if (closed || grads.in_step()) return;
+  window_cleared(opt);
+  if (!opts.enabled("nonfinite_grad")) return;
   const auto t0 = Clock::now();
   const std::vector<size_t> idx = grads.discarded(opt);
   std::vector<at::Tensor> ts;

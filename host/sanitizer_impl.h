@@ -130,9 +130,10 @@ struct SanitizerImpl {
   int64_t win_batch = -1;
   bool win_uniform = true;
   int64_t win_pass = -1;
-  void window_forward(const ForwardFacts& facts);
+  void window_forward(const ForwardFacts& facts);              // sanitizer_window.cpp
   int64_t window_end(int64_t step, int64_t opt, bool judged);  // the step's count of backwards
-  int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
+  void window_cleared(int64_t opt);  // zero_grad outside a step (sanitizer_window.cpp)
+  int64_t no_grad_site_step = -1;    // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
   std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint

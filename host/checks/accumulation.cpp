@@ -18,7 +18,10 @@ namespace trainsan::host {
 // forward plus self(x)) are one micro-batch each; a sum of losses is one backward. A step that
 // follows none (a closure step, the second optimizer stepping on the same backward) is not a
 // window. The effective batch is the forwards' batch sizes (the first input's first dimension)
-// summed, where the forwards and the backwards agree.
+// summed, where the forwards and the backwards agree. A zero_grad() outside a step that clears
+// gradients of the window (a guard that discards a bad micro-batch's window, a GAN's
+// discriminator gradients left by the generator's backward) starts the window again
+// (SanitizerImpl::window_cleared, host/sanitizer_window.cpp).
 //
 // Declared windows (accumulation_steps = N, which the Hugging Face and Lightning callbacks set
 // from the trainer's own setting): a step after N backwards keeps it. A step after more is an

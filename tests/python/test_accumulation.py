@@ -155,6 +155,29 @@ def test_switched_off():
     assert of_kind(san) == []
 
 
+def test_window_discarded_by_a_guard_starts_again():
+    # A guard clears the window's gradients without a step (a bad micro-batch) and counts anew:
+    # every step still follows 4 kept micro-batches.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    san = trainsan.attach(model, opt, policy="raise", accumulation_steps=4)
+    kept = 0
+    for i, (x, y) in enumerate(loader(24)):
+        (F.mse_loss(model(x), y) / 4).backward()
+        if i == 5:  # pretend its loss was bad: drop the window so far
+            opt.zero_grad()
+            kept = 0
+            continue
+        kept += 1
+        if kept == 4:
+            opt.step()
+            opt.zero_grad()
+            kept = 0
+    san.close()
+    assert of_kind(san) == [], [f.message for f in san.findings]
+    assert san.coverage()["window_backwards"] == 4
+
+
 # -- undeclared windows --------------------------------------------------------------------------
 
 
