@@ -279,6 +279,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     }
   }
   checks.mode.on_forward(fv);
+  if (grad_enabled && training) window_forward(facts);
   if (grad_enabled && training) {
     fv.backwards_since_step = grads.training_forward(&fv.skipped);
     checks.integrity.on_forward(fv);
@@ -364,6 +365,8 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   check_tensors({loss}, "watch_loss");
   walk_loss(loss);  // a LibTorch loop's: Note [Foreign backwards]
+  // Note [Accumulation windows]: a training loss outside an optimizer step (not a closure's).
+  if (loss.requires_grad() && !grads.in_step()) win_losses += 1;
   LossView v;
   v.step = step;
   v.outcome = loss_seq;
@@ -439,6 +442,7 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
   loss_outcome(s.skipped);
   scaler_skipped = scaler_skipped || s.skipped;
   if (s.skipped) {
+    window_end(step, s.opt, /*judged=*/true);  // the skipped step consumed its window
     grads.amp_skip(s.opt);
     amp_skips += 1;
     trace.amp_skip(step, s.opt);
@@ -463,7 +467,9 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
 // provenance. skipped_step's advice then names the non-finite gradients instead of a missing
 // optimizer.step(). Healthy loops never clear unused gradients: no cost to them.
 void SanitizerImpl::gradients_cleared(int64_t opt) {
-  if (closed || grads.in_step() || !opts.enabled("nonfinite_grad")) return;
+  if (closed || grads.in_step()) return;
+  window_cleared(opt);
+  if (!opts.enabled("nonfinite_grad")) return;
   const auto t0 = Clock::now();
   const std::vector<size_t> idx = grads.discarded(opt);
   std::vector<at::Tensor> ts;
@@ -527,6 +533,12 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
 Coverage SanitizerImpl::coverage_now() const {
   Coverage c = coverage;
   std::tie(c.audited_forwards, c.ops_audited) = audit->coverage();
+  const WindowsSeen w = checks.accumulation.seen();
+  c.window_declared = opts.accumulation_steps;
+  c.windows = w.counted;
+  c.window_backwards = w.common;
+  c.window_steps = w.at_common;
+  c.window_samples = w.samples;
   const bool attached = setup.binding != nullptr;
   const std::string no_forward =
       attached ? "no training forward was seen: no op read a parameter of the model together with "
@@ -589,7 +601,8 @@ void SanitizerImpl::close() {
   if (watch) watch->disarm();
   audit->close();
   readback.drain_all();
-  checks.loss.flush();  // losses whose step never ended
+  checks.loss.flush();             // losses whose step never ended
+  checks.accumulation.on_close();  // a short window pending: the run's last
   if (replica_driver) replica_driver->finish();
   grads.remove();
   closed = true;

@@ -131,7 +131,19 @@ struct SanitizerImpl {
   /// A LibTorch loss (Setup::gathers_events false): its graph walked as Note [Loss roots] does in
   /// Python, reported to foreign_backward when it reaches none of our parameters.
   void walk_loss(const at::Tensor& loss);
-  int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
+  // Note [Accumulation windows]: since the previous optimizer step (outside steps), training
+  // losses and training forwards, the forwards' batch sizes summed (-1: one unknown), the first
+  // one's and whether all were equal; the latest known data loader pass.
+  int64_t win_losses = 0;
+  int64_t win_forwards = 0;
+  int64_t win_samples = 0;
+  int64_t win_batch = -1;
+  bool win_uniform = true;
+  int64_t win_pass = -1;
+  void window_forward(const ForwardFacts& facts);              // sanitizer_window.cpp
+  int64_t window_end(int64_t step, int64_t opt, bool judged);  // the step's count of backwards
+  void window_cleared(int64_t opt);  // zero_grad outside a step (sanitizer_window.cpp)
+  int64_t no_grad_site_step = -1;    // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
   std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint

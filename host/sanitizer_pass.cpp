@@ -42,6 +42,7 @@ struct SanitizerImpl::Pass {
   int64_t no_grad_train_forwards = 0;
   int64_t foreign_backwards = 0;  // Note [Foreign backwards]
   ForeignBackward foreign;
+  int64_t backwards = -1;  // Note [Accumulation windows]; -1: manual mode
 };
 
 namespace {
@@ -177,6 +178,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
     p->indices.push_back(i);
   }
+  if (!manual) p->backwards = window_end(p->step, opt, /*judged=*/!p->partial);
   grads.consume(p->indices, manual, &p->consumed);
   std::vector<HostCopy> copies;
   bool with_snapshot = false;
@@ -367,6 +369,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.lr_zero = p.lr_zero;
     rec.update_stats = v.totals.any_update;
     rec.overhead_s = step_overhead_s;
+    rec.backwards = p.backwards;
     rec.totals = v.totals;
     if (const auto it = input_hashes.find(p.step); it != input_hashes.end()) {
       rec.inputs = it->second;

@@ -153,6 +153,7 @@ void TraceWriter::step(const StepRecord& r) {
      << ",\"lr_zero\":" << (r.lr_zero ? "true" : "false")
      << ",\"update_stats\":" << (r.update_stats ? "true" : "false")
      << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3);
+  if (r.backwards >= 0) os << ",\"backwards\":" << r.backwards;
   if (r.inputs) os << ",\"inputs\":\"" << std::hex << *r.inputs << std::dec << "\"";
   if (r.targets) os << ",\"targets\":\"" << std::hex << *r.targets << std::dec << "\"";
   os << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
@@ -216,7 +217,9 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
      << ",\"other_forwards\":" << c.other_forwards << ",\"losses_checked\":" << c.losses_checked
      << ",\"inputs_fingerprinted\":" << c.inputs_fingerprinted
      << ",\"audited_forwards\":" << c.audited_forwards << ",\"ops_audited\":" << c.ops_audited
-     << ",\"unchecked\":{";
+     << ",\"window_declared\":" << c.window_declared << ",\"windows\":" << c.windows
+     << ",\"window_backwards\":" << c.window_backwards << ",\"window_steps\":" << c.window_steps
+     << ",\"window_samples\":" << c.window_samples << ",\"unchecked\":{";
   sep = "";
   for (const auto& [kind, why] : c.unchecked) {
     os << sep << json_escape(kind) << ":" << json_escape(why);

@@ -36,6 +36,7 @@ struct StepRecord {
   bool lr_zero = false;
   bool update_stats = false;  // the step had update statistics (Note [Overhead budget])
   double overhead_s = 0.0;
+  int64_t backwards = -1;           // Note [Accumulation windows]; -1: not counted (manual mode)
   std::optional<uint64_t> inputs;   // fingerprint of the step's first training inputs
   std::optional<uint64_t> targets;  // ...and of the targets its loss compared them with
   StepTotals totals;

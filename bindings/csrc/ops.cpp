@@ -389,6 +389,11 @@ TORCH_LIBRARY(trainsan, m) {
              counts.insert("inputs_fingerprinted", c.inputs_fingerprinted);
              counts.insert("audited_forwards", c.audited_forwards);
              counts.insert("ops_audited", c.ops_audited);
+             counts.insert("window_declared", c.window_declared);
+             counts.insert("windows", c.windows);
+             counts.insert("window_backwards", c.window_backwards);
+             counts.insert("window_steps", c.window_steps);
+             counts.insert("window_samples", c.window_samples);
              std::vector<std::string> kinds, reasons;
              for (const auto& [k, why] : c.unchecked) {
                kinds.push_back(k);

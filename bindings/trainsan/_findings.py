@@ -102,6 +102,16 @@ def summary_text(step: int, findings: list, c: dict) -> str:
         f"inputs at {c['inputs_fingerprinted']} step(s), {c['audited_forwards']} audited "
         f"forward(s) ({c['ops_audited']} ops)"
     )
+    n, k = c.get("window_declared", 0), c.get("window_backwards", 0)
+    if c.get("windows", 0) and (k > 1 or n > 1):
+        samples = c.get("window_samples", -1)
+        batch = f", effective batch {samples}" if samples >= 0 else ""
+        lines.append(
+            f"  accumulation: {c['window_steps']} of {c['windows']} optimizer step(s) followed "
+            f"{k} backward passes{batch} ("
+            + (f"declared: accumulation_steps={n})" if n > 0 else
+               f"not declared: accumulation_steps={k} would check the window)")
+        )
     for kind, why in c["unchecked"].items():
         lines.append(f"  not checked: {kind}: {why}")
     for o in c["outside_model"]:

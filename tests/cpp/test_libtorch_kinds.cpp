@@ -183,6 +183,41 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
          run(3, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
            iteration(n, o, s, i, kCrossEntropy, true, /*step=*/false);
          }));
+  {  // accumulation_steps=4 declared, the loop steps every 3 micro-batches (end_step(losses))
+    trainsan::Options o = record();
+    o.accumulation_steps = 4;
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), 0.05);
+    auto san = trainsan::attach(net, opt, o);
+    for (int w = 0; w < 4; ++w) {
+      opt.zero_grad();
+      std::vector<torch::Tensor> losses;
+      for (int m = 0; m < 3; ++m) {
+        losses.push_back(kCrossEntropy(net.forward(batch(3 * w + m)), 3 * w + m) / 4);
+        losses.back().backward();
+      }
+      opt.step();
+      san.end_step(losses);
+    }
+    san.close();
+    expect("accumulation_mismatch", kinds_of(san));
+    EXPECT_EQ(san.coverage().window_backwards, 3);
+    trainsan::Options kept = record();
+    kept.accumulation_steps = 4;
+    const auto four =
+        run(3, kept, [](Net& n, torch::optim::Optimizer& opt, trainsan::Sanitizer& s, int i) {
+          opt.zero_grad();
+          std::vector<torch::Tensor> losses;
+          for (int m = 0; m < 4; ++m) {
+            losses.push_back(kCrossEntropy(n.forward(batch(4 * i + m)), 4 * i + m) / 4);
+            losses.back().backward();
+          }
+          opt.step();
+          s.end_step(losses);
+        });
+    EXPECT_TRUE(four.empty()) << *four.begin();
+  }
   {  // fc2 in no optimizer
     torch::manual_seed(0);
     Net net;

@@ -600,7 +600,7 @@ TEST(Sanitizer, StepInFlightAtAttach) {
 
 TEST(Kinds, TableIsConsistent) {
   const auto& ks = trainsan::kinds();
-  ASSERT_EQ(ks.size(), 32u);  // the implemented kinds (docs/kinds.md)
+  ASSERT_EQ(ks.size(), 33u);  // the implemented kinds (docs/kinds.md)
   std::set<std::string> names;
   for (size_t i = 0; i < ks.size(); ++i) {
     const trainsan::KindInfo& k = ks[i];
@@ -624,5 +624,40 @@ TEST(Kinds, TableIsConsistent) {
   EXPECT_EQ(off, 2);
   for (const char* missing : {"stale_gard", "", "nondeterministic"}) {
     EXPECT_FALSE(trainsan::kind_from_name(missing).has_value()) << missing;
+  }
+}
+
+// Gradient accumulation through begin_step / watch_loss per micro-batch and end_step per step
+// (Note [Accumulation windows]): the declared window kept is silent, a window never reached is
+// accumulation_mismatch; the windows are in coverage().
+TEST(Sanitizer, AccumulationWindowsFromLibTorch) {
+  for (const int every : {2, 1}) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), 0.05);
+    trainsan::Options o = record();
+    o.accumulation_steps = 2;
+    trainsan::Sanitizer san(net.named_parameters(), o);
+    for (int i = 0; i < 8; ++i) {
+      const Batch b = batch(i);
+      san.begin_step({b.x});
+      auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y) / 2;
+      san.watch_loss(loss);
+      loss.backward();
+      if ((i + 1) % every == 0) {
+        opt.step();
+        san.end_step();
+        opt.zero_grad();
+      }
+    }
+    san.close();
+    const trainsan::Coverage c = san.coverage();
+    EXPECT_EQ(c.window_declared, 2);
+    EXPECT_EQ(c.window_backwards, every);
+    EXPECT_EQ(c.windows, 8 / every);
+    EXPECT_EQ(c.window_samples, 32 * every);
+    bool found = false;
+    for (const auto& f : san.findings()) found = found || f.kind == "accumulation_mismatch";
+    EXPECT_EQ(found, every == 1) << every;
   }
 }

@@ -20,6 +20,7 @@ IMPLEMENTED = {
     "missing_grad": "error",
     "stale_grad": "error",
     "skipped_step": "error",
+    "accumulation_mismatch": "error",
     "param_not_in_optimizer": "error",
     "update_outside_step": "error",
     "update_ratio": "warning",

@@ -26,6 +26,7 @@ REQUIRED_KINDS = [
     "missing_grad",
     "stale_grad",
     "skipped_step",
+    "accumulation_mismatch",
     "param_not_in_optimizer",
     "update_ratio",
     "no_grad_leak",

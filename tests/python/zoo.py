@@ -2142,6 +2142,7 @@ def _c_surrogates(ctx):
 import zoo_audit  # noqa: E402,F401
 import zoo_mode  # noqa: E402,F401  (no_grad_leak, eval_mode, duplicate_batch: Note [Mode rules])
 import zoo_lifecycle  # noqa: E402,F401  (mixed precision, checkpoints, resumes, determinism)
+import zoo_accumulation  # noqa: E402,F401  (accumulation_mismatch: Note [Accumulation windows])
 
 BUGGY = [c for c in CASES if not c.clean]
 CLEAN = [c for c in CASES if c.clean]

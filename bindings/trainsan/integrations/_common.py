@@ -36,6 +36,15 @@ def rank_options(options: dict, rank: int) -> dict:
     return options
 
 
+def with_window(options: dict, steps: Any) -> dict:
+    """The options with the trainer's gradient accumulation window declared (accumulation_steps,
+    Note [Accumulation windows] in host/checks/accumulation.cpp), unless the user set it: a
+    window of 1 (no accumulation) declares nothing."""
+    if "accumulation_steps" in options or not isinstance(steps, int) or steps <= 1:
+        return options
+    return {**options, "accumulation_steps": steps}
+
+
 def check_summary(where: str, summary: Summary) -> Summary:
     if summary is None or isinstance(summary, bool) or callable(summary):
         return summary

@@ -19,7 +19,10 @@ stderr (``summary=False`` silences it, a callable receives the text). The option
 the processes of a distributed run do not write one file.
 
 Silent on a clean run: gradient accumulation (``gradient_accumulation_steps`` > 1; the Trainer
-clears gradients with ``model.zero_grad()`` after each step), evaluation during training
+clears gradients with ``model.zero_grad()`` after each step; the callback declares the window as
+``accumulation_steps``, so a run that does not keep it is ``accumulation_mismatch``: an epoch
+shorter than the window, where the Trainer steps at each epoch's last batch, is an error, an
+epoch's last partial window a warning), evaluation during training
 (``eval_strategy``: the Trainer evaluates in eval mode under ``no_grad``), gradient clipping,
 activation checkpointing, bf16, ``torch_compile`` (the op audits then see no loss op: the loss is
 computed inside the compiled model), and steps a GradScaler skips (fp16 on a GPU: AMP skips, not
@@ -73,6 +76,7 @@ class _TrainSanCallbackImpl(_common.CallbackBase):
             raise RuntimeError(f"{_NAME}: the Trainer passed no model to on_train_begin")
         _refuse_deepspeed(args, model, optimizer)
         options = _common.rank_options(self.options, int(getattr(args, "process_index", 0) or 0))
+        options = _common.with_window(options, getattr(args, "gradient_accumulation_steps", None))
         self.sanitizer = trainsan.attach(_common.unwrap_model(model), optimizer, **options)
         return control
 

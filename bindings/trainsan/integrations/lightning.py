@@ -27,7 +27,9 @@ seen only by a step that calls ``self(x)``.
 Seen as in a plain loop: automatic optimization (the forward and backward run inside
 ``optimizer.step(closure)``: Note [Closure steps] in bindings/trainsan/_hooks.py), manual
 optimization (``self.optimizers()``, ``self.manual_backward(loss)``, ``opt.step()``: the
-LightningOptimizer calls the torch optimizer's step), ``accumulate_grad_batches`` (silent),
+LightningOptimizer calls the torch optimizer's step), ``accumulate_grad_batches`` (silent;
+declared as ``accumulation_steps`` under automatic optimization, so an epoch shorter than the
+window — Lightning steps at each epoch's last batch — is ``accumulation_mismatch``),
 validation loops (eval mode, ``no_grad``: silent), gradient clipping, precision plugins
 (``"bf16-mixed"``; ``"16-mixed"`` with its GradScaler: skipped steps are AMP skips — with an
 unfused optimizer; a fused one, ``AdamW(fused=True)``, gets a false ``nonfinite_grad`` at each
@@ -71,6 +73,9 @@ class _TrainSanImpl(_common.CallbackBase):
             )
         optimizers = list(getattr(trainer, "optimizers", None) or [])
         options = _common.rank_options(self.options, int(getattr(trainer, "global_rank", 0) or 0))
+        if getattr(pl_module, "automatic_optimization", True):  # manual: the step decides
+            window = getattr(trainer, "accumulate_grad_batches", None)
+            options = _common.with_window(options, window)
         self.sanitizer = trainsan.attach(
             _common.unwrap_model(pl_module), optimizers or None, **options
         )

@@ -21,6 +21,15 @@ struct Coverage {
   int64_t audited_forwards = 0;      ///< training forwards the op audit observed
   int64_t ops_audited = 0;           ///< ops the audit rules looked at
   int64_t discards_checked = 0;      ///< unused gradients read before a clear (nonfinite_grad)
+  /// Gradient accumulation (Note [Accumulation windows]): optimizer steps that followed at least
+  /// one training backward, the most frequent number of backwards per step, how many steps
+  /// followed exactly that many, and the effective batch (samples) of the latest (-1: unknown);
+  /// the declared window (Options::accumulation_steps, 0: undeclared).
+  int64_t window_declared = 0;
+  int64_t windows = 0;
+  int64_t window_backwards = 0;
+  int64_t window_steps = 0;
+  int64_t window_samples = -1;
   /// Enabled kinds that never had what they need, with the reason.
   std::vector<std::pair<std::string, std::string>> unchecked;
 };
