@@ -119,8 +119,11 @@ def _restored_loader(loader) -> bool:
                 getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if obj is None:
             continue
-        if obj in _restored:
-            return True
+        try:
+            if obj in _restored:
+                return True
+        except TypeError:  # unhashable
+            pass
         if callable(getattr(obj, "load_state_dict", None)) and not isinstance(
                 obj, (Sampler, torch.utils.data.DataLoader)):
             return True  # restorable where the journal does not see it
@@ -142,7 +145,7 @@ def facts(info, restored_any: bool) -> Optional[dict]:
     epoch = getattr(sampler, "epoch", None)
     shuffles = bool(getattr(sampler, "shuffle", True))
     return dict(
-        moment=3, checkpoint_has_optimizer_state=info.has_optimizer_state,
+        first_forward=True, checkpoint_has_optimizer_state=info.has_optimizer_state,
         optimizer_restored=restored_any, checkpoint_epoch=info.epoch,
         checkpoint_step=info.step, step_key=info.step_key, loader_state_key=info.loader_key,
         loader_batches=batches, loader_yielded=int(getattr(it, "_num_yielded", 0)),
@@ -158,9 +161,18 @@ def _shape(v: Any) -> str:
 def layout(module: torch.nn.Module, state_dict: Mapping, missing: tuple,
            unexpected: tuple) -> dict:
     """The strict=False load's parameters left out and keys not taken, with their shapes and
-    whether a loaded key follows each (Note [Renamed layers]); {} when either side is empty."""
+    whether a loaded key follows each (Note [Renamed layers]); {} when either side is empty, or
+    where it cannot be read (the load is journaled without it)."""
     if not missing or not unexpected:
         return {}
+    try:
+        return _layout(module, state_dict, missing, unexpected)
+    except Exception:  # noqa: BLE001 - never fail the user's load over this
+        return {}
+
+
+def _layout(module: torch.nn.Module, state_dict: Mapping, missing: tuple,
+            unexpected: tuple) -> dict:
     params = dict(module.named_parameters())
     own = list(module.state_dict(keep_vars=True).keys())
     miss, unexp = set(missing), set(unexpected)

@@ -490,8 +490,10 @@ class ResumeWatch:
     def first_forward(self) -> None:
         """At a training forward: the first after a model load judges the data position."""
         info, self._data = self._data, None
-        if info is None or self._san() is None:
-            return
+        if info is not None and self._san() is not None:
+            _guard(self._data_position, info, what="the data position is not judged")
+
+    def _data_position(self, info: CkptInfo) -> None:
         facts = _position.facts(info, bool(self._restored))
         if facts is not None:
             self._send(**facts)

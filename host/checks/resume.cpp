@@ -33,6 +33,10 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
   using M = ResumeFacts::Moment;
   const std::string opt = "optimizer " + std::to_string(f.opt) +
                           (f.optimizer_type.empty() ? "" : " (" + f.optimizer_type + ")");
+  if (f.first_forward) {
+    data_position(f, step);
+    return;
+  }
   switch (f.moment) {
     case M::kModelLoad: {
       if (!f.prefix.empty()) {
@@ -60,9 +64,6 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
       if (f.prefix.empty()) renamed_layers(f, step);
       return;
     }
-    case M::kFirstForward:
-      data_position(f, step);
-      return;
     case M::kOptimizerLoad:
       if (!f.state_mismatched.empty()) {
         sink_.add(Kind::optimizer_reset, "",

@@ -40,8 +40,9 @@ namespace trainsan::host {
 // ~~~~~~~~~~~~~~~~~~~~
 // A resumed run should draw the batches that come after the checkpoint. Without the previous
 // run's trace (Note [Replayed data]) the position is still judged in process, at the first
-// training forward after the model's load, from the checkpoint's counters and the loader that
-// fed that forward (the Python package: the DataLoader iterator made last since the
+// training forward after the model's load (an event of its own: ResumeFacts::first_forward;
+// a C++ program gathers its loader's facts itself), from the checkpoint's counters and the loader
+// that fed that forward (the Python package: the DataLoader iterator made last since the
 // checkpoint's torch.load, its batches per pass and how many it has yielded, its sampler, and the
 // journal's loader and sampler loads, Note [Load journal]). Only a resume is judged: the
 // checkpoint holds an optimizer state and an optimizer was restored from it (fine-tuning from a

@@ -83,7 +83,7 @@ TEST(RenamedLayers, NewHeadsAndAdaptersAreSilent) {
 
 ResumeFacts first_forward() {
   ResumeFacts f;
-  f.moment = ResumeFacts::Moment::kFirstForward;
+  f.first_forward = true;
   f.checkpoint_has_optimizer_state = true;
   f.optimizer_restored = true;
   f.checkpoint_epoch = 1;

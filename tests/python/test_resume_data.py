@@ -34,7 +34,7 @@ def findings(san):
     return [(f.kind, f.severity, f.step, f.message) for f in san.findings]
 
 
-# -- renamed layers ---------------------------------------------------------------------------------
+# -- renamed layers --------------------------------------------------------------------------------
 
 class Attention(nn.Module):
     def __init__(self, dim):
@@ -182,7 +182,7 @@ def test_dropped_classifier_is_silent(pretrained):
     assert san.findings == [], findings(san)
 
 
-# -- the data position ------------------------------------------------------------------------------
+# -- the data position -----------------------------------------------------------------------------
 
 def build(seed=0):
     torch.manual_seed(seed)
@@ -369,7 +369,7 @@ def test_sampler_set_epoch_restored_is_silent(distributed):
     assert san.findings == [], findings(san)
 
 
-# -- through the launcher ---------------------------------------------------------------------------
+# -- through the launcher --------------------------------------------------------------------------
 
 def _run(*args, launcher=True):
     pre = [sys.executable, "-m", "trainsan", "run", "--policy", "record"] if launcher else [

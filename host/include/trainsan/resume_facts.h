@@ -18,7 +18,6 @@ struct ResumeFacts {
     kModelLoad = 0,      ///< model.load_state_dict returned (strict=False: what it dropped)
     kOptimizerLoad = 1,  ///< optimizer.load_state_dict returned: the state against the parameters
     kFirstStep = 2,      ///< the first step of an optimizer after the model was loaded
-    kFirstForward = 3,   ///< the first training forward after it: the data position
   };
 #define TRAINSAN_FACT TRAINSAN_FACT_FIELD
 #include "trainsan/resume_facts.def"
@@ -27,7 +26,7 @@ struct ResumeFacts {
 
 template <>
 struct FactEnum<ResumeFacts::Moment> {
-  static constexpr int64_t kMax = 3;
+  static constexpr int64_t kMax = 2;
 };
 
 template <>
