@@ -303,7 +303,9 @@ void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
 void Sanitizer::resume(const ResumeFacts& facts) {
   if (impl_->closed) return;
   impl_->events_seen.insert("optimizer_reset");
-  if (facts.moment == ResumeFacts::Moment::kModelLoad) impl_->checks.inputs.on_resume(impl_->step);
+  if (facts.moment == ResumeFacts::Moment::kModelLoad && !facts.first_forward) {
+    impl_->checks.inputs.on_resume(impl_->step);
+  }
   impl_->checks.resume.on_resume(facts, impl_->step);
   report();
 }

@@ -238,10 +238,15 @@ class Reruns(Gatherer):
 
 
 class Resumes(Gatherer):
-    """optimizer_reset (resume.ResumeWatch): an optimizer's first step after a load."""
+    """optimizer_reset (resume.ResumeWatch): an optimizer's first step after a load; the data
+    position at the first training forward after it (Note [Data position])."""
 
     def __init__(self, watch) -> None:
         self._watch = watch
+
+    def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
+        if train and self._watch._data is not None:
+            self._watch.first_forward()
 
     def before_step(self, k: int) -> None:
         self._watch.first_step(k)

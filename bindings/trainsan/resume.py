@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _native, _resume_fit
+from . import _native, _position, _resume_fit
 from ._findings import TrainingBugError
 from ._patches import _open_sanitizers
 from .checkpoint import state_mismatches
@@ -36,6 +36,12 @@ class CkptInfo:
     scheduler_epoch: int = 0
     lr: float = math.nan  # the scheduler's (or optimizer's) last learning rate
     optimizers: list = dataclasses.field(default_factory=list)  # _resume_fit.signature of each
+    # Note [Data position]: its counters, a loader's state in it, the DataLoader iterators before
+    epoch: int = -1
+    step: int = -1
+    step_key: str = ""
+    loader_key: str = ""
+    iters_before: int = 0
 
 
 _loaded: list = []  # [(fingerprints of the dicts in it, CkptInfo)], newest last
@@ -80,6 +86,8 @@ def _remember(obj: Any) -> None:
 
     walk(obj, 0)
     info.progress = ", ".join(progress)
+    info.epoch, info.step, info.step_key, info.loader_key = _position.counters(obj)
+    info.iters_before = _position.serial()
     _loaded.append((fps, info))
     del _loaded[:-_REMEMBERED]
 
@@ -158,8 +166,9 @@ def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
 # the inputs check of a sanitizer attached after the load holds no batch trained before it, so
 # it has nothing to compare with (a run resumed with resume_trace= is seeded at attach anyway).
 # A strict=False load is replayed as it was seen live when it dropped keys or carried a prefix.
-# Loader and sampler loads are journaled (the data position was restored) for the data checks;
-# ResumeFacts has no field for them yet, so no rule reads them today.
+# Loader and sampler loads are journaled, and the loader or sampler is marked restored for the
+# data position judged at the first training forward after the model's load (Note [Data
+# position], host/checks/resume_data.cpp; _position.py).
 _JOURNALED = 64
 
 
@@ -173,6 +182,7 @@ class _Load:
     strict: bool = True  # model: checked strictly (or no result to read)
     missing: tuple = ()  # model, strict=False: the keys it lacked
     unexpected: tuple = ()  # model, strict=False: the keys it did not take
+    layout: Any = None  # model, strict=False: shapes and order of both (_position.layout)
     opt: Any = None  # scheduler: weakref to its optimizer
     params: frozenset = frozenset()  # model: ids of the module's parameters at the load
     waiting: bool = True  # no step that judges it yet
@@ -261,6 +271,9 @@ def _model_load(module, state_dict, strict: bool, result) -> _Load:
         "model", _weak(module), info=_lookup(state_dict), strict=checked,
         missing=() if checked else tuple(getattr(result, "missing_keys", ())),
         unexpected=() if checked else tuple(getattr(result, "unexpected_keys", ())),
+        layout=None if checked else _position.layout(
+            module, state_dict, tuple(getattr(result, "missing_keys", ())),
+            tuple(getattr(result, "unexpected_keys", ()))),
         params=frozenset(id(p) for p in module.parameters()),
         unrelated=weakref.WeakKeyDictionary(),
         wrote=_resume_fit.written(module, () if checked else
@@ -372,6 +385,7 @@ def _loader_wrapper(orig):
             _loader_depth[0] -= 1
         if _loader_depth[0] == 0:
             _record(lambda: _Load("loader", _weak(self), waiting=False))
+            _position.restored(self)
         return out
 
     load_state_dict.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -411,6 +425,7 @@ def install() -> None:
         setattr(owner, name, new)
     _installed.append(True)
     _guard(_wrap_loader_classes)
+    _guard(_position.install, what="the data position after a resume is not judged")
 
 
 def _stateful(opt: torch.optim.Optimizer) -> bool:
@@ -429,6 +444,7 @@ class ResumeWatch:
         self._moments_due: set = set()  # optimizer indices loaded, their moments not compared
         self._restored: set = set()  # optimizer indices restored while attached
         self._sched_restored: set = set()
+        self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
 
     def _san(self):
         san = self._ref()
@@ -455,6 +471,7 @@ class ResumeWatch:
         if san is None:
             return
         self._pending = {k: e for k in range(len(san._optimizers))}
+        self._data = e.info
         if e.strict:
             if not replay:
                 self._send(moment=0)  # the resume event (Note [Replayed data])
@@ -466,10 +483,29 @@ class ResumeWatch:
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
                  and san._optimizers and id(params[k]) not in optimized]
-        if replay and not (prefix or frozen or unopt):
+        lay, left = e.layout or {}, set(frozen) | set(unopt)
+        moved = [k for k, m in enumerate(lay.get("missing", ())) if m not in left]
+        if replay and not (prefix or frozen or unopt or (moved and lay.get("unexpected"))):
             return  # nothing to judge at the load (Note [Load journal])
         self._send(moment=0, prefix=prefix, prefix_keys=matched, dropped_frozen=frozen,
-                   dropped_unoptimized=unopt)
+                   dropped_unoptimized=unopt,
+                   missing_params=[lay["missing"][k] for k in moved],
+                   missing_shapes=[lay["missing_shapes"][k] for k in moved],
+                   missing_interior=[lay["missing_interior"][k] for k in moved],
+                   unexpected_keys=list(lay.get("unexpected", ())),
+                   unexpected_shapes=list(lay.get("unexpected_shapes", ())),
+                   unexpected_interior=list(lay.get("unexpected_interior", ())))
+
+    def first_forward(self) -> None:
+        """At a training forward: the first after a model load judges the data position."""
+        info, self._data = self._data, None
+        if info is not None and self._san() is not None:
+            _guard(self._data_position, info, what="the data position is not judged")
+
+    def _data_position(self, info: CkptInfo) -> None:
+        facts = _position.facts(info, bool(self._restored))
+        if facts is not None:
+            self._send(**facts)
 
     def optimizer_loaded(self, opt) -> None:
         k = self._index(opt)

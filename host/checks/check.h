@@ -571,12 +571,15 @@ class CheckpointCheck {  // checkpoint.cpp: bad_checkpoint (Note [Checkpoint che
   [[maybe_unused]] const Options& opts_;  // no option yet
 };
 
-class ResumeCheck {  // resume.cpp: optimizer_reset, bad_checkpoint of a lossy load
+class ResumeCheck {  // resume.cpp: optimizer_reset, bad_checkpoint of a lossy load;
+                     // resume_data.cpp: renamed layers, the data position (duplicate_batch)
  public:
   ResumeCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_resume(const ResumeFacts& facts, int64_t step);
 
  private:
+  void renamed_layers(const ResumeFacts& f, int64_t step);  // resume_data.cpp
+  void data_position(const ResumeFacts& f, int64_t step);   // resume_data.cpp
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
 };

@@ -32,7 +32,8 @@ namespace trainsan::host {
 // design is exempt: once a fingerprint was seen twice before the resume (full-batch training,
 // unshuffled epochs, a sampler without set_epoch) a match says nothing. The case this cannot tell
 // apart: unshuffled data resumed exactly at its first epoch boundary (its next batch is step 0's,
-// correctly) — reported, as a warning.
+// correctly) — reported, as a warning. Without a trace, the checkpoint's counters and the loader
+// judge the data position in process (Note [Data position], resume_data.cpp).
 // Note [Repeated batches]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // Within one pass over a data loader every batch should be new: a sampler draws each index

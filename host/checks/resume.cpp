@@ -69,7 +69,9 @@ namespace trainsan::host {
 // At model.load_state_dict(strict=False): keys it dropped for parameters that are frozen or in
 // no optimizer stay at their initial values for good, and a state dict whose keys are the
 // model's under another prefix loaded nothing — bad_checkpoint (a new head that trains is
-// legitimate: it is not reported).
+// legitimate: it is not reported); so are layers it left at their initial values while the state
+// dict holds their tensors under other names (Note [Renamed layers], resume_data.cpp). At the
+// first training forward after the model's load: the data position (Note [Data position]).
 
 namespace {
 
@@ -113,6 +115,10 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
   using M = ResumeFacts::Moment;
   const std::string opt = "optimizer " + std::to_string(f.opt) +
                           (f.optimizer_type.empty() ? "" : " (" + f.optimizer_type + ")");
+  if (f.first_forward) {
+    data_position(f, step);
+    return;
+  }
   switch (f.moment) {
     case M::kModelLoad: {
       if (!f.prefix.empty()) {
@@ -137,6 +143,7 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
                       "model version, a renamed module): load them, or train them",
                   static_cast<double>(stuck.size()), step);
       }
+      if (f.prefix.empty()) renamed_layers(f, step);
       return;
     }
     case M::kOptimizerLoad:

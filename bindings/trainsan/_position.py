@@ -1,0 +1,189 @@
+"""The data position after a resume (Note [Data position], host/checks/resume_data.cpp): which
+DataLoader fed the first training forward after the model's load, how far its pass had got, and
+whether its position was restored; and the layout of a strict=False load (Note [Renamed layers]).
+
+DataLoader.__iter__ is wrapped for good from `import trainsan` on (resume.install()): each new
+iterator is numbered and the last few are kept by weak reference — a few operations per pass over
+a loader, nothing per batch (the iterator counts its own batches: _num_yielded)."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+_serial = [0]  # DataLoader iterators made so far
+_iters: "collections.deque" = collections.deque(maxlen=8)  # (serial, weakref loader, weakref it)
+_restored: "weakref.WeakSet" = weakref.WeakSet()  # loaders and samplers restored (load_state_dict)
+
+_EPOCH_KEYS = ("epoch", "epochs")
+_STEP_KEYS = ("global_step", "step", "iteration", "iter", "steps")
+
+
+def serial() -> int:
+    """The number of DataLoader iterators made so far (a torch.load notes it)."""
+    return _serial[0]
+
+
+def restored(obj: Any) -> None:
+    """A loader or sampler whose load_state_dict ran (the load journal's loader wrapper)."""
+    try:
+        _restored.add(obj)
+    except TypeError:
+        pass
+
+
+def counters(obj: Mapping) -> tuple:
+    """(epoch, step, step key, loader state key) of a checkpoint's top level; -1 / "" if none."""
+    epoch, step, step_key, loader_key = -1, -1, "", ""
+    for k in _EPOCH_KEYS:
+        v = obj.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            epoch = v
+            break
+    for k in _STEP_KEYS:
+        v = obj.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            step, step_key = v, k
+            break
+    for k, v in obj.items():
+        if isinstance(k, str) and isinstance(v, Mapping) and v and (
+                "loader" in k.lower() or "sampler" in k.lower()):
+            loader_key = k
+            break
+    return epoch, step, step_key, loader_key
+
+
+def _wrap_iter() -> None:
+    from torch.utils.data import DataLoader
+
+    orig = DataLoader.__iter__
+    if getattr(orig, "_trainsan_position", False):
+        return
+
+    def __iter__(self):
+        it = orig(self)
+        try:
+            _serial[0] += 1
+            _iters.append((_serial[0], weakref.ref(self), weakref.ref(it)))
+        except TypeError:
+            pass
+        return it
+
+    __iter__.__wrapped__ = orig  # type: ignore[attr-defined]
+    __iter__._trainsan_position = True  # type: ignore[attr-defined]
+    DataLoader.__iter__ = __iter__
+
+
+def install() -> None:
+    """From `import trainsan` on (resume.install())."""
+    _wrap_iter()
+
+
+def _latest(after: int) -> Optional[tuple]:
+    """(loader, iterator) made last after serial `after` that yielded a batch; None if none."""
+    for s, lref, iref in reversed(_iters):
+        if s <= after:
+            break
+        loader, it = lref(), iref()
+        if loader is not None and it is not None and getattr(it, "_num_yielded", 0) >= 1:
+            return loader, it
+    return None
+
+
+def _own_sampler(loader) -> bool:
+    """Whether the loader draws with torch's own full-epoch samplers (they start at the
+    epoch's first batch) or a Sampler that restores its position with load_state_dict (the
+    journal sees it), over data that is not a range of the data set (the rest of an epoch)."""
+    from torch.utils.data import (BatchSampler, DistributedSampler, RandomSampler, Sampler,
+                                  SequentialSampler, Subset)
+
+    bs = getattr(loader, "batch_sampler", None)
+    if bs is not None and type(bs) is not BatchSampler:
+        return False
+    sampler = getattr(loader, "sampler", None)
+    if type(sampler) not in (SequentialSampler, RandomSampler, DistributedSampler) and not (
+            isinstance(sampler, Sampler) and callable(getattr(sampler, "load_state_dict", None))):
+        return False
+    ds = getattr(loader, "dataset", None)
+    return not (isinstance(ds, Subset) and isinstance(ds.indices, range))
+
+
+def _restored_loader(loader) -> bool:
+    from torch.utils.data import Sampler
+
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if obj is None:
+            continue
+        try:
+            if obj in _restored:
+                return True
+        except TypeError:  # unhashable
+            pass
+        if callable(getattr(obj, "load_state_dict", None)) and not isinstance(
+                obj, (Sampler, torch.utils.data.DataLoader)):
+            return True  # restorable where the journal does not see it
+    return False
+
+
+def facts(info, restored_any: bool) -> Optional[dict]:
+    """ResumeFacts of the first training forward after a model load from checkpoint `info`
+    (resume.CkptInfo); None where no loader was iterated since its torch.load."""
+    found = _latest(info.iters_before)
+    if found is None:
+        return None
+    loader, it = found
+    try:
+        batches = len(loader) if _own_sampler(loader) else -1
+    except TypeError:
+        batches = -1
+    sampler = getattr(loader, "sampler", None)
+    epoch = getattr(sampler, "epoch", None)
+    shuffles = bool(getattr(sampler, "shuffle", True))
+    return dict(
+        first_forward=True, checkpoint_has_optimizer_state=info.has_optimizer_state,
+        optimizer_restored=restored_any, checkpoint_epoch=info.epoch,
+        checkpoint_step=info.step, step_key=info.step_key, loader_state_key=info.loader_key,
+        loader_batches=batches, loader_yielded=int(getattr(it, "_num_yielded", 0)),
+        loader_restored=_restored_loader(loader), sampler_type=type(sampler).__name__,
+        sampler_epoch=epoch if (isinstance(epoch, int) and callable(
+            getattr(sampler, "set_epoch", None)) and shuffles) else -1)
+
+
+def _shape(v: Any) -> str:
+    return "x".join(str(d) for d in v.shape) if isinstance(v, torch.Tensor) else ""
+
+
+def layout(module: torch.nn.Module, state_dict: Mapping, missing: tuple,
+           unexpected: tuple) -> dict:
+    """The strict=False load's parameters left out and keys not taken, with their shapes and
+    whether a loaded key follows each (Note [Renamed layers]); {} when either side is empty, or
+    where it cannot be read (the load is journaled without it)."""
+    if not missing or not unexpected:
+        return {}
+    try:
+        return _layout(module, state_dict, missing, unexpected)
+    except Exception:  # noqa: BLE001 - never fail the user's load over this
+        return {}
+
+
+def _layout(module: torch.nn.Module, state_dict: Mapping, missing: tuple,
+            unexpected: tuple) -> dict:
+    params = dict(module.named_parameters())
+    own = list(module.state_dict(keep_vars=True).keys())
+    miss, unexp = set(missing), set(unexpected)
+    last_loaded = max((k for k, n in enumerate(own) if n not in miss), default=-1)
+    pos = {n: k for k, n in enumerate(own)}
+    keys = list(state_dict.keys())
+    last_taken = max((k for k, n in enumerate(keys) if n not in unexp), default=-1)
+    mp = [m for m in own if m in miss and m in params]
+    return dict(
+        missing=tuple(mp), missing_shapes=tuple(_shape(params[m]) for m in mp),
+        missing_interior=tuple(pos[m] < last_loaded for m in mp),
+        unexpected=tuple(k for k in keys if k in unexp),
+        unexpected_shapes=tuple(_shape(state_dict[k]) for k in keys if k in unexp),
+        unexpected_interior=tuple(j < last_taken for j, k in enumerate(keys) if k in unexp))

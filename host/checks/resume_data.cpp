@@ -1,0 +1,180 @@
+// bad_checkpoint of a strict=False load that left renamed layers behind, and duplicate_batch of a
+// resume that does not restore the data position: the ResumeCheck rules of
+// Note [Renamed layers] and Note [Data position].
+#include <string>
+#include <vector>
+
+#include "checks/check.h"
+
+namespace trainsan::host {
+
+// Note [Renamed layers]
+// ~~~~~~~~~~~~~~~~~~~~~
+// load_state_dict(strict=False) is how a new head, LoRA or adapter layers, or a dropped classifier
+// are loaded around a pretrained trunk: the model's new parameters are missing from the state dict
+// and keep their initialisation, by design. It is also how an old checkpoint is loaded into a
+// refactored model, and then the renamed layers keep their initialisation silently while the
+// state dict holds their trained tensors under the old names. What tells the two apart is the
+// other side of the load: the keys the model did not take (unexpected). A new head or an adapter
+// adds parameters the checkpoint never had; a rename leaves, for a missing parameter, a tensor of
+// the same shape under another name. A missing parameter and an unexpected key are counterparts
+// when
+//  * their shapes are equal and their last name component (weight, bias, in_proj_weight) is the
+//    same, paired in order: the model's registration order and the state dict's order (the old
+//    model's registration order) agree for a rename — each missing parameter takes the next
+//    unpaired unexpected key that fits; and
+//  * the pair is more than a head swapped for another of the same size: both sit inside the
+//    loaded trunk (a key the load filled comes after each in its own order: interior layers,
+//    `blocks.0.attn.qkv.weight` saved, `layers.0.attention.qkv.weight` now, the embedding and
+//    the head loaded around them; a PEFT-wrapped `q_proj.base_layer.weight` for the saved
+//    `q_proj.weight`), or their names end alike beyond the last component (`qkv.weight`: a
+//    module moved or renamed above its layers, wherever it sits).
+// Such pairs are bad_checkpoint (error), naming the parameters left at their initialisation and
+// their likely counterparts in the checkpoint. Silent: a new head or classifier (no unexpected
+// key of its shape, or a trailing one under another name), adapters inserted between loaded
+// layers (the checkpoint holds nothing left over for them), a classifier dropped from the state
+// dict. A state dict that is the model's under a prefix is the prefix rule's (Note [Resume
+// checks]); parameters frozen or in no optimizer are named there too and not again here.
+
+// Note [Data position]
+// ~~~~~~~~~~~~~~~~~~~~
+// A resumed run should draw the batches that come after the checkpoint. Without the previous
+// run's trace (Note [Replayed data]) the position is still judged in process, at the first
+// training forward after the model's load (an event of its own: ResumeFacts::first_forward;
+// a C++ program gathers its loader's facts itself), from the checkpoint's counters and the loader
+// that fed that forward (the Python package: the DataLoader iterator made last since the
+// checkpoint's torch.load, its batches per pass and how many it has yielded, its sampler, and the
+// journal's loader and sampler loads, Note [Load journal]). Only a resume is judged: the
+// checkpoint holds an optimizer state and an optimizer was restored from it (fine-tuning from a
+// training checkpoint with a fresh optimizer, a checkpoint without counters, say nothing about
+// the data position). Two rules, duplicate_batch (warning, as the trace's replay rule):
+//  * mid-epoch restart: the checkpoint was saved inside an epoch — its step counter is not a
+//    multiple of the loader's batches per pass (nor, with an epoch counter, a whole number of
+//    epochs at some gradient accumulation: e*L divisible by the step for e the epoch counter or
+//    the next), or, without a step counter, it holds a loader's or sampler's state — and the
+//    forward's batch is the first of a fresh pass (one batch yielded) of a loader whose sampler
+//    is torch's own (sequential, random, distributed: it starts at the epoch's first batch) and
+//    that was not restored: the epoch's first batches, trained before the checkpoint, are
+//    trained again. Skipping the consumed batches by hand (islice, `if i < start: continue`)
+//    yields more than one batch before the forward; a StatefulDataLoader or sampler restored with
+//    load_state_dict, a custom sampler or batch sampler (it may start anywhere), or a Subset over a
+//    range of the data (the rest of an epoch) are taken as positioned.
+//  * sampler epoch behind: the loader's sampler shuffles by epoch (set_epoch: DistributedSampler)
+//    and its epoch is below the checkpoint's epoch counter: it draws the order of an epoch that
+//    was trained already (epoch 0's, when set_epoch is not called on the restored epoch). The
+//    counter may count the epochs done or name the epoch in progress, so a sampler at the counter
+//    or one past it is fine; a sampler one behind a counter that names the last finished epoch
+//    is the case this cannot tell from a correct resume.
+// A resume at an epoch boundary with set_epoch(restored epoch), a restored loader, a skip by
+// hand, fine-tuning and checkpoints without counters stay silent. A sampler reseeded from the
+// global RNG (RandomSampler without a generator, the RNG not restored) is not seen here: it needs
+// the trace (resume_trace).
+
+namespace {
+
+std::string leaf(const std::string& key) {
+  const auto dot = key.rfind('.');
+  return dot == std::string::npos ? key : key.substr(dot + 1);
+}
+
+/// The last two name components ("qkv.weight"), or "" for a name of one component.
+std::string tail2(const std::string& key) {
+  const auto last = key.rfind('.');
+  if (last == std::string::npos || last == 0) return "";
+  const auto before = key.rfind('.', last - 1);
+  return before == std::string::npos ? key : key.substr(before + 1);
+}
+
+bool at(const std::vector<bool>& v, size_t k) { return k < v.size() && v[k]; }
+
+}  // namespace
+
+void ResumeCheck::renamed_layers(const ResumeFacts& f, int64_t step) {
+  const auto& miss = f.missing_params;
+  const auto& unexp = f.unexpected_keys;
+  if (miss.empty() || unexp.empty() || f.missing_shapes.size() != miss.size() ||
+      f.unexpected_shapes.size() != unexp.size()) {
+    return;
+  }
+  std::vector<std::string> left, pairs;
+  size_t next = 0;  // the first unexpected key not paired or passed over yet
+  for (size_t i = 0; i < miss.size(); ++i) {
+    for (size_t j = next; j < unexp.size(); ++j) {
+      if (f.unexpected_shapes[j].empty() || f.unexpected_shapes[j] != f.missing_shapes[i] ||
+          leaf(unexp[j]) != leaf(miss[i])) {
+        continue;
+      }
+      next = j + 1;
+      const std::string t = tail2(miss[i]);
+      const bool inside = at(f.missing_interior, i) && at(f.unexpected_interior, j);
+      if (inside || (!t.empty() && t == tail2(unexp[j]))) {
+        left.push_back(miss[i]);
+        pairs.push_back(miss[i] + " (checkpoint: " + unexp[j] + ")");
+      }
+      break;
+    }
+  }
+  if (left.empty()) return;
+  sink_.add(Kind::bad_checkpoint, left.front(),
+            "model.load_state_dict(strict=False) left " + std::to_string(left.size()) +
+                " parameter(s) at their initial values while the state dict holds tensors of "
+                "the same shape under other names: " +
+                join_names(pairs) +
+                " — the model was refactored (modules renamed or moved) since the checkpoint was "
+                "saved; map the old keys to the new names before loading (strict=True lists "
+                "every key that does not match)",
+            static_cast<double>(left.size()), step);
+}
+
+void ResumeCheck::data_position(const ResumeFacts& f, int64_t step) {
+  if (!f.checkpoint_has_optimizer_state || !f.optimizer_restored || f.loader_restored ||
+      f.loader_yielded < 1) {
+    return;  // not a resume of training, or the loader's position is its own
+  }
+  std::string ckpt;
+  if (f.checkpoint_epoch >= 0) ckpt = "epoch=" + std::to_string(f.checkpoint_epoch);
+  if (f.checkpoint_step >= 0) {
+    ckpt += (ckpt.empty() ? "" : ", ") + (f.step_key.empty() ? std::string("step") : f.step_key) +
+            "=" + std::to_string(f.checkpoint_step);
+  }
+  const std::string sampler = f.sampler_type.empty() ? std::string("sampler") : f.sampler_type;
+  const int64_t L = f.loader_batches;
+  bool mid = false;
+  std::string why;
+  if (L > 1 && f.checkpoint_step > 0) {
+    const int64_t S = f.checkpoint_step;
+    mid = S % L != 0;
+    for (int64_t e = f.checkpoint_epoch; mid && e >= 0 && e <= f.checkpoint_epoch + 1; ++e) {
+      if (e >= 1 && (e * L) % S == 0) mid = false;  // whole epochs at some accumulation
+    }
+    if (mid) {
+      why = "the checkpoint (" + ckpt + ") was saved inside an epoch (" + std::to_string(S % L) +
+            " batches into a pass of " + std::to_string(L) + ")";
+    }
+  } else if (L > 1 && f.checkpoint_step < 0 && !f.loader_state_key.empty()) {
+    mid = true;
+    why = "the checkpoint holds the data loader's position ('" + f.loader_state_key +
+          "') but it was not restored";
+  }
+  if (mid && f.loader_yielded == 1) {
+    sink_.add(Kind::duplicate_batch, "",
+              "after the resume, the training forward at step " + std::to_string(step) +
+                  " received the first batch of a fresh pass over the data loader: " + why +
+                  ", and the loader restarts at the epoch's first batch — the batches trained "
+                  "before the checkpoint are trained again; restore the loader's or sampler's "
+                  "state (torchdata's StatefulDataLoader, sampler.load_state_dict), or skip the "
+                  "consumed batches (itertools.islice(loader, start, None))",
+              static_cast<double>(f.checkpoint_step), step);
+  }
+  if (f.sampler_epoch >= 0 && f.checkpoint_epoch > 0 && f.sampler_epoch < f.checkpoint_epoch) {
+    sink_.add(Kind::duplicate_batch, "",
+              "after the resume, the data loader's " + sampler + " is at epoch " +
+                  std::to_string(f.sampler_epoch) + " while the checkpoint is from " + ckpt +
+                  ": it shuffles as in epoch " + std::to_string(f.sampler_epoch) +
+                  ", whose order was trained already — call sampler.set_epoch(epoch) with the "
+                  "restored epoch counter at the start of each epoch",
+              static_cast<double>(f.sampler_epoch), step);
+  }
+}
+
+}  // namespace trainsan::host
