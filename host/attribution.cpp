@@ -72,7 +72,7 @@ Finding Sanitizer::attribute(const Finding& f, const std::optional<RerunOutcome>
 }
 
 void Sanitizer::set_rerun_step(std::function<RerunRecord()> step_fn) {
-  impl_->setup.rerun_step = std::move(step_fn);
+  impl_->rerun_step = std::move(step_fn);
 }
 
 }  // namespace trainsan

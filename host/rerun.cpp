@@ -126,7 +126,7 @@ void SanitizerImpl::capture_rerun_start() {
 // Re-run attribution (Note [Re-run attribution], checks/attribution.cpp) for a LibTorch loop
 // with Setup::rerun_step: the state each training forward starts from, kept for one step.
 void SanitizerImpl::capture_error_start(const std::vector<at::Tensor>& inputs) {
-  if (opts.rerun_on_error <= 0 || !setup.rerun_step || closed || !at::GradMode::is_enabled()) {
+  if (opts.rerun_on_error <= 0 || !rerun_step || closed || !at::GradMode::is_enabled()) {
     return;
   }
   const int64_t forwards = error_start && error_start->step == step ? error_start->forwards : 0;
@@ -212,7 +212,7 @@ RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
     {
       RerunScope scope(*this, cuda_devices(param_tensors(params)));
       scope.start(from.rng, from.buffers);
-      r = setup.rerun_step();
+      r = rerun_step();
       std::vector<at::Tensor> gs;
       for (const TrackedParam& p : params) {
         if (fingerprinted(p.param.grad())) gs.push_back(p.param.grad().detach());
@@ -234,15 +234,18 @@ RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
       // The first n losses the step watched, against the re-run's n values.
       o.step_outputs_nonfinite = any_nonfinite(s, n, 2 * n);
       o.outputs_match = true;
-      for (size_t i = 0; i < n; ++i)
+      for (size_t i = 0; i < n; ++i) {
         o.outputs_match = o.outputs_match && s[i].hash == s[n + i].hash;
+      }
     }
     o.grads_rerun = !grads.empty();
     o.grads_nonfinite = any_nonfinite(grads, 0, grads.size());
     o.ran = true;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // reported in the finding, never retried
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
     o.ran = false;
-    o.error = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+    o.error = what.substr(0, what.find('\n'));
   }
   return o;
 }

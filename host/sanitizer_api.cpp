@@ -27,7 +27,9 @@ Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
 
 Sanitizer::Sanitizer(std::vector<Parameter> parameters, Options options, Setup setup)
     : impl_(std::make_unique<host::SanitizerImpl>(std::move(parameters), std::move(options),
-                                                  std::move(setup))) {}
+                                                  std::move(setup))) {
+  impl_->rerun_step = impl_->setup.rerun_step;  // set_rerun_step may replace it
+}
 
 Sanitizer::~Sanitizer() {
   if (!impl_) return;  // moved from
@@ -44,7 +46,7 @@ void Sanitizer::report() {
   impl_->add_overhead(impl_->audit->take_overhead());
   for (Finding f : impl_->store.take_fresh()) {
     // Re-run attribution of a LibTorch loop (Setup::rerun_step): before the policy acts.
-    if (impl_->setup.rerun_step && !impl_->closed) {
+    if (impl_->rerun_step && !impl_->closed) {
       const RerunNeed need = rerun_needed(f);
       if (need == RerunNeed::kRun) f = attribute(f, impl_->rerun_for(f));
       if (need == RerunNeed::kKnown) f = attribute(f, std::nullopt);

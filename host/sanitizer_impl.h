@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -168,7 +169,8 @@ struct SanitizerImpl {
   };
   std::optional<ErrorStart> error_start;
   void capture_error_start(const std::vector<at::Tensor>& inputs);
-  RerunOutcome rerun_for(const Finding& f);  // runs Setup::rerun_step once
+  RerunOutcome rerun_for(const Finding& f);  // runs rerun_step once
+  std::function<RerunRecord()> rerun_step;   // Setup::rerun_step, or set_rerun_step's
   int64_t attribution_reruns = 0;            // re-runs made (at most opts.rerun_on_error)
   // step -> the kind whose re-run it had and the verdict (the last few steps)
   std::map<int64_t, std::pair<std::string, RerunVerdict>> attributed;

@@ -139,7 +139,8 @@ def test_skip_poison_reads_the_trace_when_called(tmp_path):
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         kept = list(trainsan.skip_poison(data, trace, inputs=lambda b: (b[0] + 1.0,)))
-    assert len(kept) == 5
+        assert len(kept) == 5
+        assert len(list(trainsan.skip_poison(data, trace))) == 6  # not what the model saw
 
 
 class FlakyOnce:
