@@ -183,6 +183,17 @@ RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
   const ErrorStart& from = *error_start;
   o.forwards = from.forwards;
   o.params_changed = step > f.step;
+  // Buffers the forward updates in place (BatchNorm's statistics) would move the version counters
+  // the step's backward checks, were the re-run to run before it.
+  bool backward_ran = o.params_changed;
+  for (const TrackedParam& p : params) backward_ran = backward_ran || grads.got_grad(p.opt);
+  if (!setup.buffers.empty() && !backward_ran) {
+    o.error =
+        "the model has buffers its forward updates in place (BatchNorm statistics) and the step's "
+        "backward is still to come, which a re-run now would break; call watch_loss(loss) after "
+        "loss.backward(), before optimizer.step()";
+    return o;
+  }
   try {
     std::vector<at::Tensor> inputs;
     for (const at::Tensor& t : from.inputs) {

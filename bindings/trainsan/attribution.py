@@ -196,15 +196,20 @@ class Attribution(Gatherer):
             o["params_nonfinite"] = _nonfinite([_local(p).detach() for p in model.parameters()
                                                 if p.is_floating_point()])
         now_rng = _rng()
-        now_bufs = {n: b.detach().clone() for n, b in model.named_buffers()}
+        # The buffers are swapped for copies of the step's starting values, and the model's own
+        # put back afterwards untouched: an in-place write to them (even one restoring their
+        # values) would move the version counters the step's backward, still to come, checks.
+        swapped = []
+        for prefix, m in model.named_modules():
+            for n, b in list(m._buffers.items()):
+                key = f"{prefix}.{n}" if prefix else n
+                if b is not None and key in rec.buffers:
+                    swapped.append((m, n, b))
+                    m._buffers[n] = rec.buffers[key].clone()
         closed, san._closed = san._closed, True  # the sanitizer's hooks look away
         san._handle.pause_audit(True)
         self._running = True
         try:
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in rec.buffers:
-                        b.copy_(rec.buffers[n])
             _set_rng(rec.rng)
             with contextlib.ExitStack() as stack:
                 for dev, dtype in rec.amp:
@@ -229,10 +234,8 @@ class Attribution(Gatherer):
                     o["grads_nonfinite"] = _nonfinite([g for g in gs if g is not None])
         finally:
             self._running = False
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in now_bufs:
-                        b.copy_(now_bufs[n])
+            for m, n, b in swapped:
+                m._buffers[n] = b
             _set_rng(now_rng)
             san._handle.pause_audit(False)
             san._closed = closed
