@@ -278,16 +278,13 @@ TORCH_LIBRARY(trainsan, m) {
              return static_cast<int64_t>(h->san->rerun_needed(f));
            })
       .def("attribute",
-           [](const H& h, FindingTuple t, std::optional<FactsDict> outcome) {
+           [](const H& h, std::string kind, std::string tensor, int64_t step, std::string sev,
+              std::optional<FactsDict> outcome) {
              trainsan::Finding f;
-             f.kind = std::get<0>(t);
-             f.step = std::get<1>(t);
-             f.severity = std::get<2>(t);
-             f.tensor = std::get<3>(t);
-             f.message = std::get<4>(t);
-             if (!std::isnan(std::get<5>(t))) f.value = std::get<5>(t);
-             f.count = std::get<6>(t);
-             f.last_step = std::get<7>(t);
+             f.kind = std::move(kind);
+             f.tensor = std::move(tensor);
+             f.step = step;
+             f.severity = std::move(sev);
              std::optional<trainsan::RerunOutcome> o;
              if (outcome) o = facts_from_dict<trainsan::RerunOutcome>(*outcome);
              return to_tuple(h->san->attribute(f, o));
