@@ -9,10 +9,10 @@
 
 #include <cstdio>
 #include <fstream>
-#include <iterator>
-#include <optional>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
