@@ -289,7 +289,8 @@ class Sanitizer {
   void rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step = {});
   /// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution] in
   /// host/checks/attribution.cpp): what the new finding `f` (its kind and tensor) needs.
-  /// kNone: nothing (off, not a nonfinite_loss, nonfinite_grad or loss_spike, already answered); kRun: a re-run of its step, whose outcome attribute() takes; kKnown: no re-run, and
+  /// kNone: nothing (off, not a nonfinite_loss, nonfinite_grad or loss_spike, already
+  /// answered); kRun: a re-run of its step, whose outcome attribute() takes; kKnown: no re-run, and
   /// attribute(f, std::nullopt) answers (its step was re-run for an earlier finding, or the
   /// rerun_on_error re-runs are spent). A LibTorch loop with Setup::rerun_step needs none of this:
   /// each event does it before the policy acts.
