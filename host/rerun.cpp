@@ -294,4 +294,19 @@ void Sanitizer::rerun(const std::function<RerunRecord()>& step_fn, const RerunRe
   }
 }
 
+std::vector<uint64_t> output_fingerprints(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> all;
+  for (const at::Tensor& t : outputs) {
+    if (host::fingerprinted(t) && t.numel() > 0) all.push_back(t.detach());
+  }
+  std::vector<uint64_t> out;
+  if (all.empty()) return out;
+  for (const TensorStats& s : tensor_stats(all)) out.push_back(s.hash);
+  return out;
+}
+
+std::vector<uint64_t> rng_fingerprints(const std::vector<at::Tensor>& on) {
+  return host::RngState::capture(host::cuda_devices(on)).fingerprints();
+}
+
 }  // namespace trainsan

@@ -57,6 +57,20 @@ void RngState::restore() const {
   }
 }
 
+std::vector<uint64_t> RngState::fingerprints() const {
+  auto fnv = [](const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+  };
+  std::vector<uint64_t> out;
+  if (cpu_.defined()) out.push_back(fnv(cpu_));
+  for (const auto& [d, state] : cuda_) out.push_back(fnv(state));
+  return out;
+}
+
 std::vector<c10::DeviceIndex> cuda_devices(const std::vector<at::Tensor>& tensors) {
   std::vector<c10::DeviceIndex> out;
   for (const at::Tensor& t : tensors) {

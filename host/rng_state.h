@@ -19,6 +19,9 @@ class RngState {
   /// Seeds the same generators as torch.manual_seed does (CPU, and `cuda`'s).
   static void seed(uint64_t seed, const std::vector<c10::DeviceIndex>& cuda);
   void restore() const;
+  /// A 64-bit fingerprint (FNV-1a of the bytes) of each state: the CPU generator's, then the
+  /// CUDA devices' in capture order (the recompute checks compare them).
+  std::vector<uint64_t> fingerprints() const;
 
  private:
   at::Tensor cpu_;

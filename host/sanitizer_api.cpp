@@ -282,6 +282,22 @@ void Sanitizer::rerun_result(const RerunFacts& facts) {
   report();
 }
 
+bool Sanitizer::recompute_due() const {
+  return !impl_->closed && impl_->opts.enabled("nondeterminism") &&
+         impl_->checks.determinism.recompute_due(impl_->step);
+}
+
+void Sanitizer::recompute(const RecomputeRecord& forward, const RecomputeRecord& recompute) {
+  if (impl_->closed) return;
+  impl_->events_seen.insert("nondeterminism");
+  const std::optional<RerunFacts> facts = compare_recompute(forward, recompute);
+  if (facts) {
+    rerun_result(*facts);
+  } else {
+    report();
+  }
+}
+
 void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
                             const std::vector<int64_t>& steps) {
   if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);

@@ -1,8 +1,8 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
 // that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns), the figures of bad_custom_grad's directional check, and the
-// verdict of rank_desync's replica payload (judge_replica_payload, replica_labels). A
-// fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
+// nondeterminism (compare_reruns, compare_recompute), the figures of bad_custom_grad's directional
+// check, and the verdict of rank_desync's replica payload (judge_replica_payload, replica_labels).
+// A fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -60,6 +60,27 @@ std::optional<trainsan::FactsDict> compare_reruns_op(const Fingerprints& step,
                                                      const Fingerprints& second) {
   const std::optional<trainsan::RerunFacts> f =
       trainsan::compare_reruns(step->fp, first->fp, second->fp);
+  if (!f) return std::nullopt;
+  return trainsan::facts_to_dict(*f);
+}
+
+trainsan::RecomputeRecord recompute_record(std::string region, std::string type,
+                                           const std::vector<int64_t>& hashes,
+                                           const std::vector<int64_t>& rng) {
+  return {std::move(region), std::move(type), std::vector<uint64_t>(hashes.begin(), hashes.end()),
+          std::vector<uint64_t>(rng.begin(), rng.end())};
+}
+
+// Where a checkpointed region's recompute first differs from its forward (compare_recompute):
+// RerunFacts by name, None when they agree. Hashes are the 64 bits as int64.
+std::optional<trainsan::FactsDict> compare_recompute_op(std::string region, std::string type,
+                                                        std::vector<int64_t> forward,
+                                                        std::vector<int64_t> forward_rng,
+                                                        std::vector<int64_t> recompute,
+                                                        std::vector<int64_t> recompute_rng) {
+  const std::optional<trainsan::RerunFacts> f =
+      trainsan::compare_recompute(recompute_record(region, type, forward, forward_rng),
+                                  recompute_record(region, type, recompute, recompute_rng));
   if (!f) return std::nullopt;
   return trainsan::facts_to_dict(*f);
 }
@@ -133,6 +154,7 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
       .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
   m.def("compare_reruns", &compare_reruns_op);
+  m.def("compare_recompute", &compare_recompute_op);
   m.def("directional_eps(Tensor x, bool low_precision) -> float",
         [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
   m.def(

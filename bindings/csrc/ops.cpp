@@ -261,6 +261,7 @@ TORCH_LIBRARY(trainsan, m) {
       .def("loss_targets",
            [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
       .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
+      .def("recompute_due", [](const H& h) { return h->san->recompute_due(); })
       .def("rerun_result",
            [](const H& h, FactsDict facts) {
              h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from . import recompute as _recompute
 from . import resume as _resume
 from ._attach import attach, attached
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
@@ -20,6 +21,7 @@ from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
 
 _resume.install()  # the load journal, from the script's first line (Note [Load journal])
+_recompute.install()  # the checkpoint wrapper, before models store it (Note [Recompute wrapper])
 
 
 def _version() -> str:

@@ -12,6 +12,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from . import _compile
+from .recompute import RecomputeWatch
 
 # Note [Gatherers]
 # ~~~~~~~~~~~~~~~~
@@ -213,21 +214,26 @@ class Replicas(Gatherer):
 
 
 class Reruns(Gatherer):
-    """nondeterminism (determinism.Rerun): recorded in the training forward, re-run before the
-    step."""
+    """nondeterminism: the re-runs (determinism.Rerun), recorded in the training forward, re-run
+    before the step; and the recompute checks of activation checkpointing
+    (recompute.RecomputeWatch), sampled from the training forward, compared before the step."""
 
     def __init__(self, rerun) -> None:
         self._rerun = rerun
+        self._recompute = RecomputeWatch(rerun._ref(), rerun._model)
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
         if train:
             self._rerun.begin_forward(args, kwargs)
+            self._recompute.on_forward()
 
     def before_step(self, k: int) -> None:
         self._rerun.before_step()
+        self._recompute.before_step()
 
     def close(self) -> list:
         self._rerun._clear()
+        self._recompute.close()
         return []
 
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _native
+from . import _native, _resume_fit
 from ._findings import TrainingBugError
 from ._patches import _open_sanitizers
 from .checkpoint import state_mismatches
@@ -35,6 +35,7 @@ class CkptInfo:
     progress: str = ""  # "epoch=3, step=1200"
     scheduler_epoch: int = 0
     lr: float = math.nan  # the scheduler's (or optimizer's) last learning rate
+    optimizers: list = dataclasses.field(default_factory=list)  # _resume_fit.signature of each
 
 
 _loaded: list = []  # [(fingerprints of the dicts in it, CkptInfo)], newest last
@@ -58,6 +59,9 @@ def _remember(obj: Any) -> None:
         if "state" in o and "param_groups" in o:
             if o.get("state"):
                 info.has_optimizer_state = True
+            sig = _resume_fit.signature(o)
+            if sig is not None:
+                info.optimizers.append(sig)
             groups = o.get("param_groups") or []
             if groups and math.isnan(info.lr) and isinstance(groups[0].get("lr"), (int, float)):
                 info.lr = float(groups[0]["lr"])
@@ -129,13 +133,14 @@ def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
 # are wrapped for good, and every load is written to a process-wide journal: the last
 # _JOURNALED loads, in order, each holding only a weak reference to what was loaded and what the
 # load needs later — a model load keeps the CkptInfo of the torch.load it came from (looked up
-# at the load), the strict flag and the missing/unexpected key names; never a tensor or a state
-# dict. The journal is the single source of the resume events: a load made while sanitizers are
-# open is journaled and handed at once to those it concerns (as before: their ResumeWatch), and a
-# Sanitizer, once built, replays the journaled loads that concern it, in order: a model load of
-# its model (the module is the model, inside it, or holds it), loads of its optimizers and of
-# their schedulers. Its first steps then judge them as if it had been attached before the loads;
-# a load of another model or optimizer does not reach it.
+# at the load), the strict flag, the missing/unexpected key names and weak references to the
+# parameters it wrote (a fine-tune's new head is none of them: Note [Resume checks]); never a
+# tensor or a state dict. The journal is the single source of the resume events: a load made
+# while sanitizers are open is journaled and handed at once to those it concerns (as before:
+# their ResumeWatch), and a Sanitizer, once built, replays the journaled loads that concern it,
+# in order: a model load of its model (the module is the model, inside it, or holds it), loads
+# of its optimizers and of their schedulers. Its first steps then judge them as if it had been
+# attached before the loads; a load of another model or optimizer does not reach it.
 #
 # A load is replayed while it still waits for its judgement: until a step of an optimizer that
 # holds parameters of the loaded module (a model load), or of the loaded optimizer (an optimizer
@@ -173,6 +178,7 @@ class _Load:
     waiting: bool = True  # no step that judges it yet
     # model: optimizer -> its number of parameter groups when found to hold none of `params`
     unrelated: Any = None
+    wrote: Any = None  # model: the parameters the load wrote (_resume_fit.written)
 
 
 _journal: "collections.deque[_Load]" = collections.deque(maxlen=_JOURNALED)
@@ -256,7 +262,9 @@ def _model_load(module, state_dict, strict: bool, result) -> _Load:
         missing=() if checked else tuple(getattr(result, "missing_keys", ())),
         unexpected=() if checked else tuple(getattr(result, "unexpected_keys", ())),
         params=frozenset(id(p) for p in module.parameters()),
-        unrelated=weakref.WeakKeyDictionary())
+        unrelated=weakref.WeakKeyDictionary(),
+        wrote=_resume_fit.written(module, () if checked else
+                                  tuple(getattr(result, "missing_keys", ()))))
 
 
 def _deliver(e: _Load, san, replay: bool) -> None:
@@ -417,7 +425,8 @@ class ResumeWatch:
 
     def __init__(self, san) -> None:
         self._ref = weakref.ref(san)
-        self._pending: dict = {}  # optimizer index -> CkptInfo (or None) of the model's load
+        self._pending: dict = {}  # optimizer index -> the model's load (_Load)
+        self._moments_due: set = set()  # optimizer indices loaded, their moments not compared
         self._restored: set = set()  # optimizer indices restored while attached
         self._sched_restored: set = set()
 
@@ -445,7 +454,7 @@ class ResumeWatch:
         san = self._san()
         if san is None:
             return
-        self._pending = {k: e.info for k in range(len(san._optimizers))}
+        self._pending = {k: e for k in range(len(san._optimizers))}
         if e.strict:
             if not replay:
                 self._send(moment=0)  # the resume event (Note [Replayed data])
@@ -472,6 +481,8 @@ class ResumeWatch:
         bad = state_mismatches(opt, names)
         if bad:
             self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
+        else:
+            self._moments_due.add(k)  # compared at its first step (Note [Resume checks])
 
     def scheduler_loaded(self, opt) -> None:
         """A load of a scheduler of `opt`."""
@@ -480,14 +491,25 @@ class ResumeWatch:
             self._sched_restored.add(k)
 
     def first_step(self, k: int) -> None:
-        """Before optimizer k's first step after the model was loaded."""
-        if k not in self._pending:
+        """Before optimizer k's first step after the model's load or its own."""
+        if k not in self._pending and k not in self._moments_due:
             return
-        info = self._pending.pop(k)
+        e = self._pending.pop(k, None)
+        info = e.info if e is not None else None
         san = self._san()
-        if san is None or info is None:
+        if san is None:
             return
         opt = san._optimizers[k]
+        facts = {}
+        if k in self._moments_due:
+            self._moments_due.discard(k)
+            names = {id(p): n for n, p in san._model.named_parameters()}
+            facts["moments"] = _resume_fit.moment_scales(opt, names)
+        if info is None:
+            if facts.get("moments"):
+                self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, **facts)
+            return
+        facts.update(_resume_fit.fine_tune_facts(opt, e.wrote, info.optimizers))
         with_state = sum(1 for g in opt.param_groups for p in g["params"] if opt.state.get(p))
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
         lr = float(lr) if isinstance(lr, (int, float)) else math.nan
@@ -496,7 +518,7 @@ class ResumeWatch:
                    optimizer_with_state=with_state, scheduler_epoch=info.scheduler_epoch,
                    checkpoint_has_optimizer_state=info.has_optimizer_state,
                    optimizer_restored=k in self._restored, stateful=_stateful(opt),
-                   scheduler_restored=sched_ok, lr=lr, checkpoint_lr=info.lr)
+                   scheduler_restored=sched_ok, lr=lr, checkpoint_lr=info.lr, **facts)
 
 
 def _prefix(missing: list, unexpected: list) -> tuple:

@@ -533,10 +533,19 @@ class DeterminismCheck {  // determinism.cpp: nondeterminism (Note [Re-run deter
   bool rerun_due(int64_t step) const {
     return opts_.rerun_every > 0 && step % opts_.rerun_every == 0;
   }
+  /// Whether the step `step`'s checkpointed regions are checked against their recompute
+  /// (Note [Recompute checks]): the first step asked about (attached mid-run: at once), then
+  /// every recompute_every-th (0: never).
+  bool recompute_due(int64_t step) const {
+    if (opts_.recompute_every <= 0) return false;
+    if (!first_recompute_) first_recompute_ = step;
+    return step == *first_recompute_ || step % opts_.recompute_every == 0;
+  }
 
  private:
   FindingSink& sink_;
   const Options& opts_;
+  mutable std::optional<int64_t> first_recompute_;  // the first step recompute_due was asked
 };
 
 /// The findings of one checkpoint outside a sanitizer (python -m trainsan check): messages with

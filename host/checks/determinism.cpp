@@ -1,4 +1,5 @@
-// nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits.
+// nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits;
+// or an activation-checkpointed region, recomputed in the backward, gave other bits than its forward.
 #include <algorithm>
 
 #include "checks/check.h"
@@ -21,6 +22,27 @@ namespace trainsan::host {
 // training sees. The comparison itself (compare_reruns, below) is torch-free: it reads the
 // fingerprints both callers gather — Sanitizer::rerun (host/rerun.cpp) and the Python package's
 // forward hooks (bindings/trainsan/determinism.py).
+
+// Note [Recompute checks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Activation checkpointing (torch.utils.checkpoint) runs a region's function twice: in the
+// forward, keeping only its inputs, and again in the backward, whose gradients are those of the
+// recompute. The two calls must compute the same thing: checkpoint() restores the RNG state the
+// forward started from (preserve_rng_state=True, the default), so a dropout in the region draws
+// the same mask. With preserve_rng_state=False, or a random draw the checkpoint does not restore,
+// the backward differentiates another mask than the forward applied: the gradients are those of
+// another function, silently (the re-runs of Note [Re-run determinism] replay the same wrong
+// masks and agree). On the steps recompute_every samples (the first step the sanitizer is asked
+// about, then every N-th: DeterminismCheck::recompute_due), the Python package wraps each region's
+// function (bindings/trainsan/recompute.py) so that its first call (the forward) and its second
+// (the recompute) fingerprint their floating outputs and the RNG states (CPU, initialised CUDA
+// devices) at their starts; compare_recompute (below) decides: other outputs from other RNG
+// states is the RNG not preserved; other outputs from the same RNG state is a non-deterministic
+// kernel or state the region reads that changed between the two calls. Outputs that agree are
+// silent whatever the RNG did (a region without random ops need not preserve it). A region
+// called without grad (eval, no_grad), or whose outputs need no gradient, is never recomputed:
+// nothing to compare. LibTorch has no torch.utils.checkpoint; a program with its own
+// recomputation records both calls (RecomputeRecord) and calls Sanitizer::recompute.
 
 void DeterminismCheck::on_rerun(const RerunFacts& f, int64_t step) {
   using W = RerunFacts::Where;
@@ -55,6 +77,29 @@ void DeterminismCheck::on_rerun(const RerunFacts& f, int64_t step) {
             f.tensor + (f.type.empty() ? "" : " (" + f.type + ")") + " " + where +
             " — state that changes between calls (a counter, a cache, the module's own "
             "generator or attributes updated in forward())";
+      break;
+    case W::kRecomputeRng:
+    case W::kRecomputeState:
+      msg = "the activation-checkpointed region " + f.tensor +
+            (f.type.empty() || f.type == f.tensor ? "" : " (" + f.type + ")") +
+            ", recomputed in step " + std::to_string(step) +
+            "'s backward, gave other bits than its forward, first at its output " +
+            std::to_string(f.position) + " of " + std::to_string(f.checked) + " — ";
+      if (f.where == W::kRecomputeRng) {
+        msg +=
+            "and the RNG state at the recompute's start was not the forward's: the RNG is not "
+            "preserved around the region (checkpoint(..., preserve_rng_state=False), or random "
+            "numbers drawn from a generator the checkpoint does not restore), so the backward "
+            "differentiates another dropout mask than the forward applied: drop "
+            "preserve_rng_state=False (the default restores the CPU and CUDA RNG states)";
+      } else {
+        msg +=
+            "from the same RNG state: a non-deterministic kernel in the region, or state it "
+            "reads that changed between the forward and the backward (a buffer or attribute "
+            "updated in place, a counter, a cache), so the backward differentiates another "
+            "computation than the forward's: keep what a checkpointed region reads unchanged "
+            "until its backward; torch.use_deterministic_algorithms(True) names such kernels";
+      }
       break;
   }
   sink_.add(Kind::nondeterminism, f.tensor, msg, std::nullopt, step);
@@ -108,6 +153,25 @@ std::optional<RerunFacts> compare_reruns(const RerunFingerprints& step,
         return f;
       }
     }
+  }
+  return std::nullopt;
+}
+
+std::optional<RerunFacts> compare_recompute(const RecomputeRecord& forward,
+                                            const RecomputeRecord& recompute) {
+  const auto& a = forward.hashes;
+  const auto& b = recompute.hashes;
+  if (a.size() != b.size()) return std::nullopt;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    RerunFacts f;
+    f.where = forward.rng == recompute.rng ? RerunFacts::Where::kRecomputeState
+                                           : RerunFacts::Where::kRecomputeRng;
+    f.tensor = forward.region.empty() ? "(region)" : forward.region;
+    f.type = forward.type;
+    f.position = static_cast<int64_t>(i) + 1;
+    f.checked = static_cast<int64_t>(a.size());
+    return f;
   }
   return std::nullopt;
 }

@@ -1,6 +1,8 @@
 // optimizer_reset (and bad_checkpoint for a load that dropped parameters): a resume that does
 // not resume the run it loads.
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <sstream>
 
 #include "checks/check.h"
@@ -14,18 +16,98 @@ namespace trainsan::host {
 // identity, without keeping it alive): whether the same checkpoint holds an optimizer state, a
 // scheduler state, a step or epoch counter. At the first step of each optimizer after it:
 //   * the checkpoint holds a (non-empty) optimizer state, but optimizer.load_state_dict was not
-//     called: the optimizer restarts from empty state (Adam's moments, momentum) — error;
+//     called: the optimizer restarts from empty state (Adam's moments, momentum) — error, unless
+//     the run is a fine-tune (below);
 //   * the optimizer was restored, keeps state, and still has none while the checkpoint is from a
 //     trained run: its saved state was empty — error;
 //   * the checkpoint holds a scheduler state past its first epoch and no scheduler of this
-//     optimizer was restored: the learning rate restarts its schedule (warm-up) — warning.
+//     optimizer was restored: the learning rate restarts its schedule (warm-up) — a warning, and
+//     an error where the learning rate at this step already differs from the checkpoint's by
+//     more than kLrJump (relative): the schedule restarted before the step (a scheduler built
+//     after optimizer.load_state_dict sets its initial rate). Where either rate is unknown, or they
+//     agree (the optimizer's state restored the saved rate: the restart comes at the scheduler's
+//     next step; a constant schedule), or the optimizer was not restored either (that error
+//     explains the rate), it stays a warning. None of this for a fine-tune.
 // Fine-tuning from pretrained weights (a checkpoint without optimizer state) is none of these.
+// Fine-tuning from a checkpoint that holds its pretraining's optimizer and scheduler (torchvision
+// and HF recipes save {"model", "optimizer", "epoch"} and fine-tune from it) leaves them unloaded
+// on purpose. It is told from a forgotten restore by what a resume of the same run cannot show:
+//   * a parameter this optimizer trains that the model's load did not write — a head built after
+//     the load (model.fc = nn.Linear(512, 10)), or a missing key of a strict=False load (a new
+//     classifier): a resume restores every trained parameter;
+//   * no optimizer state in the checkpoint could be loaded into this optimizer — another number
+//     or size of parameter groups (an optimizer over the head only, a dropped classifier), or
+//     another optimizer type (its hyper-parameter names: betas, momentum, ...): load_state_dict
+//     would raise, so not calling it is no mistake;
+//   * the checkpoint's optimizer state holds more parameters with state than this optimizer
+//     trains: parts trained then are frozen now (a frozen backbone).
+// Unexpected keys alone (a dropped buffer) and other hyper-parameter values (schedulers move the
+// learning rate, OneCycleLR the momentum and betas) are not signals: the forgotten optimizer of
+// the same model stays an error.
 // At optimizer.load_state_dict: per-element state (exp_avg, momentum_buffer, ...) whose shape is
-// not its parameter's — state binds by position, so the parameter order changed — error.
+// not its parameter's — state binds by position, so the parameter order changed — error. When
+// the shapes happen to match (two layers of one shape registered in another order), the first
+// step after the load compares, once, each parameter's restored state with its gradient at that
+// step (MomentScale, gathered in one pass with one device read): the gradient RMS the state
+// implies — the square root of Adam's bias-corrected mean exp_avg_sq, of RMSprop's square_avg, of
+// Adagrad's sum per step, or SGD's momentum_buffer RMS times (1 - momentum) / (1 - dampening) —
+// against the gradient's RMS. A legitimate resume continues the same run: the weights, the data
+// and the loss are the saved ones, so the first gradient comes from the distribution the state
+// averaged (over the last ~1/(1 - beta2) steps): batch noise, a warm-up's rate, AMP (the
+// gradients are read unscaled), coupled weight decay (added to the gradient as the optimizer
+// does) move it by a small factor, and momentum of noisy gradients lowers SGD's figure to about
+// sqrt((1 - m) / (1 + m)) of it (0.07 at m = 0.99). State given to the wrong parameter is off by
+// the ratio of the two parameters' scales, and a permutation is off both ways: within a cycle of
+// swapped parameters the ratios multiply to one. So the error needs parameters of the same shape
+// off by more than kMomentOff both above and below; a parameter off one way alone (a layer whose
+// gradient changed, a spike) is not reported, nor one without a gradient (None, sparse, frozen)
+// or with a zero scale (unused: no state built, or no gradient this step). A swap of parameters
+// whose gradient scales are less than kMomentOff apart goes unseen (a language model's embedding
+// and output layer of one shape measure ~7x apart). The Python package gathers MomentScale before
+// the step; the LibTorch binding (Note [C++ resume]) judges after the step, whose update already
+// mixed the new gradient into the state, and gives none.
 // At model.load_state_dict(strict=False): keys it dropped for parameters that are frozen or in
 // no optimizer stay at their initial values for good, and a state dict whose keys are the
 // model's under another prefix loaded nothing — bad_checkpoint (a new head that trains is
 // legitimate: it is not reported).
+
+namespace {
+
+constexpr double kLrJump = 1e-3;    // relative difference of the learning rates that is a jump
+constexpr double kMomentOff = 100;  // restored state's scale against the gradient's, either way
+
+bool lr_jumped(double lr, double saved) {
+  if (std::isnan(lr) || std::isnan(saved)) return false;
+  return std::abs(lr - saved) > kLrJump * std::max(std::abs(lr), std::abs(saved));
+}
+
+/// The parameters whose restored state is off from their gradient both ways within one shape
+/// (Note [Resume checks]): "name [shape] (state 320x its gradient's scale)"; empty when none.
+std::vector<std::string> swapped_moments(const std::vector<MomentScale>& ms, std::string& first) {
+  std::map<std::string, std::pair<bool, bool>> ways;  // shape -> (some above, some below)
+  auto ratio = [](const MomentScale& m) {
+    bool ok = std::isfinite(m.moment) && std::isfinite(m.grad) && m.moment > 0 && m.grad > 0;
+    return ok ? m.moment / m.grad : 1.0;
+  };
+  for (const MomentScale& m : ms) {
+    double r = ratio(m);
+    if (r > kMomentOff) ways[m.shape].first = true;
+    if (r < 1 / kMomentOff) ways[m.shape].second = true;
+  }
+  std::vector<std::string> out;
+  for (const MomentScale& m : ms) {
+    double r = ratio(m);
+    auto it = ways.find(m.shape);
+    if ((r > kMomentOff || r < 1 / kMomentOff) && it != ways.end() && it->second.first &&
+        it->second.second) {
+      if (out.empty()) first = m.name;
+      out.push_back(m.name + " " + m.shape + " (state " + fmt(r) + "x its gradient's scale)");
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
   using M = ResumeFacts::Moment;
@@ -71,8 +153,14 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
     case M::kFirstStep: {
       const std::string from =
           f.progress.empty() ? std::string("") : " (the checkpoint is from " + f.progress + ")";
+      // A fine-tune leaves the pretraining's optimizer and scheduler unloaded on purpose.
+      const bool fine_tune =
+          f.params_not_loaded > 0 || !f.checkpoint_optimizer_fits ||
+          (f.trainable_params >= 0 && f.checkpoint_state_params > f.trainable_params);
+      bool forgotten = false;
       if (f.checkpoint_has_optimizer_state && !f.optimizer_restored &&
-          f.optimizer_with_state == 0) {
+          f.optimizer_with_state == 0 && !fine_tune) {
+        forgotten = true;
         sink_.add(Kind::optimizer_reset, "",
                   "the model was resumed from a checkpoint that holds an optimizer state" + from +
                       ", but " + opt +
@@ -90,17 +178,40 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
                       "— save the state_dict() of the optimizer that trained",
                   std::nullopt, step);
       }
-      if (f.scheduler_epoch > 0 && !f.scheduler_restored) {
+      if (f.scheduler_epoch > 0 && !f.scheduler_restored && !fine_tune) {
+        const bool jumped = !forgotten && lr_jumped(f.lr, f.checkpoint_lr);
         std::ostringstream os;
         os << "the checkpoint holds a learning-rate scheduler's state at epoch "
            << f.scheduler_epoch << ", but no scheduler of " << opt
            << " was restored (scheduler.load_state_dict): the schedule restarts";
-        if (!std::isnan(f.lr)) {
+        if (jumped) {
+          os << " — the learning rate jumped from " << fmt(f.checkpoint_lr) << " when saved to "
+             << fmt(f.lr) << " at this step";
+        } else if (!std::isnan(f.lr)) {
           os << " — the learning rate is " << fmt(f.lr) << " at this step";
           if (!std::isnan(f.checkpoint_lr)) os << ", " << fmt(f.checkpoint_lr) << " when saved";
         }
         os << "; restore the scheduler with the optimizer";
-        sink_.add(Kind::optimizer_reset, "", os.str(), f.lr, step, Severity::kWarning);
+        if (jumped) os << " (scheduler.load_state_dict after building it)";
+        sink_.add(Kind::optimizer_reset, "", os.str(), f.lr, step,
+                  jumped ? Severity::kError : Severity::kWarning);
+      }
+      std::string first;
+      const std::vector<std::string> swapped = swapped_moments(f.moments, first);
+      if (!swapped.empty()) {
+        sink_.add(Kind::optimizer_reset, first,
+                  opt +
+                      "'s restored state does not fit its parameters: at the first step after "
+                      "optimizer.load_state_dict, the gradient scale the state implies is off "
+                      "by more than " +
+                      fmt(kMomentOff) +
+                      "x, both ways among parameters of one shape: " + join_names(swapped) +
+                      " — the state was restored by position after the parameter order changed "
+                      "(the optimizer is built over the parameters in another order than the one "
+                      "that saved it: modules registered in another order, a refactor); build "
+                      "the optimizer over the parameters in the saved order, or remap the saved "
+                      "state by parameter name",
+                  static_cast<double>(swapped.size()), step);
       }
       return;
     }

@@ -501,4 +501,50 @@ TEST(Rerun, StepFunctionErrorsLeaveTheStepAsItWas) {
   san.close();
 }
 
+// --- Sanitizer::recompute (Note [Recompute checks]) -----------------------------------------
+
+// A region with dropout, called for its forward and again for its "recompute", the RNG state
+// put back before the recompute or not; the findings of one check.
+std::vector<trainsan::Finding> recompute_region(bool preserve_rng) {
+  torch::manual_seed(0);
+  at::Tensor w = torch::randn({8, 8}).requires_grad_();
+  trainsan::Options o;
+  o.policy = "record";
+  trainsan::Sanitizer san({{"w", w}}, o);
+  san.begin_step();
+  EXPECT_TRUE(san.recompute_due());  // the first step (recompute_every=100)
+  const at::Tensor x = torch::randn({4, 8});
+  auto region = [&] { return torch::dropout(torch::matmul(x, w), 0.5, /*train=*/true); };
+  at::Generator g = at::detail::getDefaultCPUGenerator();
+  at::Tensor start;
+  {
+    const std::lock_guard<std::mutex> lock(g.mutex());
+    start = g.get_state();
+  }
+  trainsan::RecomputeRecord fwd{"block", "", {}, trainsan::rng_fingerprints({x})};
+  fwd.hashes = trainsan::output_fingerprints({region()});
+  if (preserve_rng) {
+    const std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(start);
+  }
+  trainsan::RecomputeRecord again{"block", "", {}, trainsan::rng_fingerprints({x})};
+  again.hashes = trainsan::output_fingerprints({region()});
+  san.recompute(fwd, again);
+  std::vector<trainsan::Finding> out = san.findings();
+  san.close();
+  return out;
+}
+
+TEST(Recompute, DropoutRecomputedWithoutItsRngStateIsNamed) {
+  const std::vector<trainsan::Finding> f = recompute_region(false);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(f[0].kind, "nondeterminism");
+  EXPECT_EQ(f[0].tensor, "block");
+  EXPECT_NE(f[0].message.find("RNG is not preserved"), std::string::npos) << f[0].message;
+}
+
+TEST(Recompute, DropoutRecomputedFromItsRngStateIsSilent) {
+  EXPECT_TRUE(recompute_region(true).empty());
+}
+
 }  // namespace

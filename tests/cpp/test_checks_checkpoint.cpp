@@ -359,6 +359,127 @@ TEST(ResumeCheck, FirstStepRules) {
   EXPECT_TRUE(has(sink.calls[2].message, "the learning rate is 0.0001")) << sink.calls[2].message;
 }
 
+ResumeFacts forgotten_optimizer() {
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "SGD";
+  f.stateful = true;
+  f.progress = "epoch=90";
+  f.checkpoint_has_optimizer_state = true;
+  f.trainable_params = 4;
+  f.checkpoint_state_params = 4;
+  return f;
+}
+
+TEST(ResumeCheck, FineTuneLeavesThePretrainingOptimizerUnloaded) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f = forgotten_optimizer();
+  f.scheduler_epoch = 90;  // the pretraining's schedule too
+  f.lr = 0.01;
+  f.checkpoint_lr = 0.1;
+  c.on_resume(f, 0);  // the same model, the same optimizer: forgotten
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[0].message, "was not restored")) << sink.calls[0].message;
+  EXPECT_EQ(sink.calls[1].severity, Severity::kWarning);  // the forgotten optimizer explains it
+  sink.calls.clear();
+  ResumeFacts head = f;  // model.fc = nn.Linear(512, 10) after the load
+  head.params_not_loaded = 2;
+  c.on_resume(head, 0);
+  ResumeFacts other = f;  // an optimizer over the head only, or of another type
+  other.checkpoint_optimizer_fits = false;
+  other.checkpoint_state_params = -1;
+  c.on_resume(other, 0);
+  ResumeFacts frozen = f;  // the backbone frozen now, trained then
+  frozen.trainable_params = 2;
+  c.on_resume(frozen, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+  frozen.trainable_params = 4;  // frozen then and now: a resume
+  frozen.checkpoint_state_params = 3;
+  c.on_resume(frozen, 0);
+  EXPECT_EQ(sink.calls.size(), 2u);
+}
+
+TEST(ResumeCheck, SchedulerNotRestoredIsAnErrorWhenTheRateJumped) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "AdamW";
+  f.stateful = true;
+  f.optimizer_restored = true;
+  f.optimizer_with_state = 4;
+  f.scheduler_epoch = 5;
+  f.lr = 6e-4;
+  f.checkpoint_lr = 6e-4;  // the optimizer's state restored the saved rate
+  c.on_resume(f, 0);
+  f.checkpoint_lr = 6e-4 * (1 + 1e-6);  // rounding
+  c.on_resume(f, 0);
+  f.checkpoint_lr = std::numeric_limits<double>::quiet_NaN();  // unknown
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  for (const auto& call : sink.calls) EXPECT_EQ(call.severity, Severity::kWarning);
+  f.lr = 1e-4;  // a scheduler built after optimizer.load_state_dict set its initial rate
+  f.checkpoint_lr = 6e-4;
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 4u);
+  EXPECT_EQ(sink.calls[3].severity, Severity::kError);
+  EXPECT_TRUE(has(sink.calls[3].message,
+                  "the learning rate jumped from 0.0006 when saved to "
+                  "0.0001 at this step"))
+      << sink.calls[3].message;
+  f.scheduler_restored = true;
+  c.on_resume(f, 0);
+  EXPECT_EQ(sink.calls.size(), 4u);
+}
+
+MomentScale moment(const std::string& name, const std::string& shape, double state, double grad) {
+  MomentScale m;
+  m.name = name;
+  m.shape = shape;
+  m.moment = state;
+  m.grad = grad;
+  return m;
+}
+
+TEST(ResumeCheck, MomentsRestoredToOtherParametersAreFound) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "AdamW";
+  // Legitimate: within the bound, or off one way only (a layer whose gradient changed), or no
+  // scale to compare (an unused parameter: zero state, zero gradient).
+  f.moments = {moment("emb.weight", "[64, 64]", 1e-3, 2e-3),
+               moment("out.weight", "[64, 64]", 2.0, 1.5), moment("a.weight", "[8]", 5.0, 0.01),
+               moment("b.weight", "[8]", 0.0, 1.0), moment("c.weight", "[8]", 1.0, 0.0)};
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+  // Swapped: the embedding got the output layer's state and back.
+  f.moments[0].moment = 2.0;
+  f.moments[1].moment = 1e-3;
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::optimizer_reset);
+  EXPECT_EQ(sink.calls[0].tensor, "emb.weight");
+  EXPECT_EQ(sink.calls[0].severity, Severity::kError);
+  const std::string& m = sink.calls[0].message;
+  EXPECT_TRUE(has(m, "emb.weight [64, 64] (state 1000x its gradient's scale)")) << m;
+  EXPECT_TRUE(has(m, "out.weight [64, 64] (state 0.0006667x")) << m;
+  EXPECT_TRUE(has(m, "restored by position after the parameter order changed")) << m;
+  EXPECT_FALSE(has(m, "a.weight")) << m;
+  // Off both ways, but in different shapes: no permutation could have done it.
+  f.moments[1].shape = "[64, 32]";
+  c.on_resume(f, 1);
+  EXPECT_EQ(sink.calls.size(), 1u);
+}
+
 TEST(ResumeCheck, LossyLoadsAreBadCheckpoints) {
   testing::FakeSink sink;
   Options o;

@@ -166,5 +166,82 @@ TEST(DeterminismCheck, EachPlaceIsWorded) {
   EXPECT_NE(sink.calls[2].message.find("output of (model) (the 1-th"), std::string::npos);
 }
 
+// Note [Recompute checks]: a checkpointed region's forward and its recompute in the backward.
+RecomputeRecord region_call(std::vector<uint64_t> hashes, std::vector<uint64_t> rng) {
+  return {"layers.3", "Block", std::move(hashes), std::move(rng)};
+}
+
+TEST(CompareRecompute, AgreeingCallsAreSilentWhateverTheRng) {
+  EXPECT_FALSE(compare_recompute(region_call({1, 2}, {7}), region_call({1, 2}, {7})).has_value());
+  // A region without random ops need not preserve the RNG: the same outputs are silent.
+  EXPECT_FALSE(compare_recompute(region_call({1, 2}, {7}), region_call({1, 2}, {8})).has_value());
+  EXPECT_FALSE(compare_recompute(region_call({}, {7}), region_call({}, {8})).has_value());
+  // Another number of outputs is another computation, not a difference of bits at one place.
+  EXPECT_FALSE(compare_recompute(region_call({1, 2}, {7}), region_call({1}, {8})).has_value());
+}
+
+TEST(CompareRecompute, OtherBitsFromOtherRngIsTheRngNotPreserved) {
+  const auto f = compare_recompute(region_call({1, 2, 3}, {7, 9}), region_call({1, 5, 6}, {8, 9}));
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->where, W::kRecomputeRng);
+  EXPECT_EQ(f->tensor, "layers.3");
+  EXPECT_EQ(f->type, "Block");
+  EXPECT_EQ(f->position, 2);
+  EXPECT_EQ(f->checked, 3);
+}
+
+TEST(CompareRecompute, OtherBitsFromTheSameRngIsStateOrKernels) {
+  const auto f = compare_recompute(region_call({1, 2}, {7}), region_call({4, 2}, {7}));
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->where, W::kRecomputeState);
+  EXPECT_EQ(f->position, 1);
+  const auto none = compare_recompute({"", "", {1}, {}}, {"", "", {2}, {}});
+  ASSERT_TRUE(none.has_value());
+  EXPECT_EQ(none->where, W::kRecomputeState);  // neither recorded the RNG
+  EXPECT_EQ(none->tensor, "(region)");
+}
+
+TEST(DeterminismCheck, RecomputeSchedule) {
+  FakeSink sink;
+  Options o;
+  DeterminismCheck c(sink, o);
+  EXPECT_TRUE(c.recompute_due(0));  // the default: the first step, then every 100th
+  EXPECT_FALSE(c.recompute_due(1));
+  EXPECT_TRUE(c.recompute_due(100));
+  o.recompute_every = 0;
+  EXPECT_FALSE(c.recompute_due(0));
+  o.recompute_every = 1;
+  EXPECT_TRUE(c.recompute_due(3));
+  // Attached mid-run: the first step asked about is checked at once.
+  Options late;
+  DeterminismCheck d(sink, late);
+  EXPECT_TRUE(d.recompute_due(37));
+  EXPECT_TRUE(d.recompute_due(37));
+  EXPECT_FALSE(d.recompute_due(38));
+  EXPECT_TRUE(d.recompute_due(200));
+}
+
+TEST(DeterminismCheck, RecomputeIsWordedWithItsCause) {
+  FakeSink sink;
+  Options o;
+  DeterminismCheck c(sink, o);
+  c.on_rerun({W::kRecomputeRng, "layers.3", "Block", 2, 3}, 0);
+  c.on_rerun({W::kRecomputeState, "layers.1", "Block", 1, 1}, 5);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::nondeterminism);
+  EXPECT_EQ(sink.calls[0].tensor, "layers.3");
+  const std::string& m0 = sink.calls[0].message;
+  EXPECT_NE(m0.find("activation-checkpointed region layers.3 (Block), recomputed in step 0's "
+                    "backward, gave other bits than its forward, first at its output 2 of 3"),
+            std::string::npos)
+      << m0;
+  EXPECT_NE(m0.find("RNG is not preserved"), std::string::npos) << m0;
+  EXPECT_NE(m0.find("preserve_rng_state=False"), std::string::npos) << m0;
+  const std::string& m1 = sink.calls[1].message;
+  EXPECT_EQ(sink.calls[1].step, 5);
+  EXPECT_NE(m1.find("from the same RNG state"), std::string::npos) << m1;
+  EXPECT_EQ(m1.find("RNG is not preserved"), std::string::npos) << m1;
+}
+
 }  // namespace
 }  // namespace trainsan::host

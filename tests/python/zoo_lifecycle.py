@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zoo import STEPS, SmallCNN, case, image_batch, make_mlp, regression_batch
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from zoo import (STEPS, SmallCNN, TinyTransformer, case, image_batch, make_mlp, regression_batch,
+                 token_batch)
 
 def _train(model, opt, batch, loss_fn, after_step=None):
     """The plain loop of most cases: STEPS steps of zero_grad, loss, backward, step."""
@@ -308,3 +310,61 @@ def _c_rerun(ctx):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ctx.attach(model, opt, rerun_every=1)
     _train(model, opt, image_batch, F.cross_entropy)
+
+
+# Activation checkpointing (Note [Recompute checks]): the backward recomputes a region; without
+# its RNG state, dropout draws another mask than the forward applied.
+class _CheckpointedTransformer(TinyTransformer):
+    def __init__(self, reentrant: bool, preserve: bool):
+        super().__init__(dropout=0.1)
+        self.reentrant, self.preserve = reentrant, preserve
+
+    def forward(self, tokens):
+        h = self.emb(tokens) + self.pos[:, : tokens.shape[1]]
+        h = checkpoint(self.enc, h, use_reentrant=self.reentrant,
+                       preserve_rng_state=self.preserve)
+        return self.head(h.mean(1))
+
+
+@case("nondeterminism/checkpoint_rng_not_preserved_transformer", "nondeterminism", 0,
+      "transformer", "AdamW",
+      "the encoder layer (dropout 0.1) runs under checkpoint(..., use_reentrant=False, "
+      "preserve_rng_state=False): its recompute draws other dropout masks")
+def _nd_ckpt_transformer(ctx):
+    model = _CheckpointedTransformer(reentrant=False, preserve=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt)
+    _train(model, opt, token_batch, F.cross_entropy)
+
+
+@case("nondeterminism/checkpoint_sequential_rng_mlp", "nondeterminism", 0, "mlp",
+      "SGD+momentum",
+      "an MLP's dropout layers under checkpoint_sequential(..., use_reentrant=True, "
+      "preserve_rng_state=False)")
+def _nd_ckpt_mlp(ctx):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 32)  # outside: a reentrant region needs an input with grad
+            self.layers = nn.Sequential(nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32), nn.ReLU(),
+                                        nn.Dropout(0.2), nn.Linear(32, 1))
+
+        def forward(self, x):
+            return checkpoint_sequential(self.layers, 2, self.inp(x), use_reentrant=True,
+                                         preserve_rng_state=False)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ctx.attach(model, opt)
+    _train(model, opt, regression_batch, F.mse_loss)
+
+
+@case("clean/checkpoint_dropout_rng_preserved_transformer", None, None, "transformer", "Adam",
+      "the encoder layer (dropout 0.1) under checkpoint(..., use_reentrant=True), the RNG state "
+      "preserved (the default): recomputed with the same masks, checked at every step")
+def _c_ckpt_preserved(ctx):
+    model = _CheckpointedTransformer(reentrant=True, preserve=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctx.attach(model, opt, recompute_every=1)
+    _train(model, opt, token_batch, F.cross_entropy)
+

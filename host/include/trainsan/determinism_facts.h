@@ -20,6 +20,11 @@ struct RerunFacts {
     kForward = 0,       ///< two re-runs' forwards differ: first at module `tensor`'s output
     kBackward = 1,      ///< the forwards agree, two re-runs' gradients differ: first `tensor`
     kBetweenCalls = 2,  ///< the re-runs agree with each other, not with the step's own forward
+    /// A checkpointed region's recompute in the backward differs from its forward, first at
+    /// output `position`; the RNG state at the recompute's start was not the forward's.
+    kRecomputeRng = 3,
+    /// The same, from the same RNG state: kernels or state that changed between the two calls.
+    kRecomputeState = 4,
   };
 #define TRAINSAN_FACT TRAINSAN_FACT_FIELD
 #include "trainsan/rerun_facts.def"
@@ -28,7 +33,7 @@ struct RerunFacts {
 
 template <>
 struct FactEnum<RerunFacts::Where> {
-  static constexpr int64_t kMax = 2;
+  static constexpr int64_t kMax = 4;
 };
 
 template <>
@@ -99,5 +104,24 @@ struct RerunFingerprints {
 std::optional<RerunFacts> compare_reruns(const RerunFingerprints& step,
                                          const RerunFingerprints& first,
                                          const RerunFingerprints& second);
+
+/// One call of an activation-checkpointed region (Note [Recompute checks],
+/// host/checks/determinism.cpp): its forward, or its recompute in the backward.
+struct RecomputeRecord {
+  std::string region;            ///< where it is: a module's name, or the function's
+  std::string type;              ///< the module's class or the function's qualified name
+  std::vector<uint64_t> hashes;  ///< fingerprints of its floating outputs, in order
+  /// Fingerprints of the RNG states at the call's start (the CPU generator, then the CUDA
+  /// devices'); empty when not recorded.
+  std::vector<uint64_t> rng;
+};
+
+/// Where a checkpointed region's recompute (`recompute`) first differs from its forward
+/// (`forward`): kRecomputeRng when the RNG states at their starts differ, else kRecomputeState
+/// (also when neither recorded them); `tensor` is the region, `type` its type, `position` the
+/// 1-based output, `checked` the outputs compared. Nothing when they agree, or when they recorded
+/// different numbers of outputs (another computation, not a difference of bits at one place).
+std::optional<RerunFacts> compare_recompute(const RecomputeRecord& forward,
+                                            const RecomputeRecord& recompute);
 
 }  // namespace trainsan

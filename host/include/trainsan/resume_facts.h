@@ -12,12 +12,19 @@
 
 namespace trainsan {
 
+/// One parameter's restored optimizer state against its first gradient (fields: moment_scale.def).
+struct MomentScale {
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/moment_scale.def"
+#undef TRAINSAN_FACT
+};
+
 /// One resume event (fields: resume_facts.def).
 struct ResumeFacts {
   enum class Moment : uint8_t {
     kModelLoad = 0,      ///< model.load_state_dict returned (strict=False: what it dropped)
     kOptimizerLoad = 1,  ///< optimizer.load_state_dict returned: the state against the parameters
-    kFirstStep = 2,      ///< the first step of an optimizer after the model was loaded
+    kFirstStep = 2,      ///< the first step of an optimizer after the model's or its own load
   };
 #define TRAINSAN_FACT TRAINSAN_FACT_FIELD
 #include "trainsan/resume_facts.def"
@@ -27,6 +34,17 @@ struct ResumeFacts {
 template <>
 struct FactEnum<ResumeFacts::Moment> {
   static constexpr int64_t kMax = 2;
+};
+
+template <>
+struct FactTable<MomentScale> {
+  static constexpr const char* kName = "MomentScale";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/moment_scale.def"
+#undef TRAINSAN_FACT
+  }
 };
 
 template <>

@@ -165,6 +165,15 @@ struct ForwardFacts {
   std::vector<at::Tensor> batch = {};
 };
 
+/// For a RecomputeRecord (Note [Recompute checks]; Sanitizer::recompute): the fingerprints
+/// (TensorStats::hash, one pass) of the floating tensors of `outputs`, in order...
+std::vector<uint64_t> output_fingerprints(const std::vector<at::Tensor>& outputs);
+/// ...and of the RNG states now: the CPU generator's, then those of the CUDA devices of `on`.
+/// Take them as the region's call starts:
+///   trainsan::RecomputeRecord fwd{"block", "", {}, trainsan::rng_fingerprints({x})};
+///   fwd.hashes = trainsan::output_fingerprints({block(x)});
+std::vector<uint64_t> rng_fingerprints(const std::vector<at::Tensor>& on = {});
+
 namespace host {
 struct SanitizerImpl;
 struct ReplicaAccess;  // trainsan::compare_replicas over a c10d process group (replicas.h)
@@ -305,6 +314,14 @@ class Sanitizer {
   /// Sets Setup::rerun_step (re-run attribution) after construction, e.g. on the sanitizer
   /// trainsan::attach returns; an empty function turns it off.
   void set_rerun_step(std::function<RerunRecord()> step_fn);
+  /// Whether the current step's recomputed regions are checked (recompute_every; Note
+  /// [Recompute checks] in host/checks/determinism.cpp).
+  bool recompute_due() const;
+  /// The recompute check of one region: what its forward recorded and what its recompute in the
+  /// backward recorded (the fingerprints of the same outputs, and of the RNG states at their
+  /// starts). A difference (compare_recompute) is reported through rerun_result(). Call it on
+  /// the steps recompute_due() names, before the optimizer step.
+  void recompute(const RecomputeRecord& forward, const RecomputeRecord& recompute);
   /// A resume event (optimizer_reset; Note [Resume checks] in host/checks/resume.cpp).
   void resume(const ResumeFacts& facts);
   /// The input fingerprints of a previous run's steps (its trace, resume_trace): this run is its
