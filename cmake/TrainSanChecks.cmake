@@ -20,6 +20,7 @@ add_library(trainsan_checks STATIC
   "${PROJECT_SOURCE_DIR}/host/checks/resume_data.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/determinism.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/accumulation.cpp"
+  "${PROJECT_SOURCE_DIR}/host/checks/attribution.cpp"
   "${PROJECT_SOURCE_DIR}/host/audit/shape_rules.cpp"
   "${PROJECT_SOURCE_DIR}/host/overhead_budget.cpp")
 target_include_directories(trainsan_checks PUBLIC

@@ -279,7 +279,7 @@ FactsDict facts_defaults(const std::string& name) {
   return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite, CheckpointContents,
                      OptimizerTensors, ModelTensors, Provenance, ModuleOrigin, RangeOverflow,
                      ReplicaReport, ReplicaMismatch, SavedTensorChange, CustomGradResult,
-                     RerunFacts, ForeignBackward>(name);
+                     RerunFacts, ForeignBackward, RerunOutcome>(name);
 }
 
 #define TRAINSAN_FACTS_DICT(T)                     \
@@ -300,6 +300,7 @@ TRAINSAN_FACTS_DICT(SavedTensorChange)
 TRAINSAN_FACTS_DICT(CustomGradResult)
 TRAINSAN_FACTS_DICT(RerunFacts)
 TRAINSAN_FACTS_DICT(ForeignBackward)
+TRAINSAN_FACTS_DICT(RerunOutcome)
 #undef TRAINSAN_FACTS_DICT
 
 }  // namespace trainsan

@@ -50,6 +50,25 @@ bool FindingStore::was_said(const Finding& f) const {
   return said_.count(f.kind + '\x1f' + f.tensor) > 0;
 }
 
+Finding FindingStore::attribute(const Finding& fallback, std::optional<bool> reproduces,
+                                const std::string& text) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = index_.find(fallback.kind + '\x1f' + fallback.tensor);
+  Finding* f = nullptr;
+  Finding copy = fallback;
+  if (it != index_.end()) {
+    f = &findings_[it->second];
+  } else {
+    f = &copy;
+  }
+  f->reproduces = reproduces;
+  f->message += text;
+  for (Finding& g : fresh_) {  // still to be reported (a LibTorch loop's event)
+    if (g.kind == f->kind && g.tensor == f->tensor) g = *f;
+  }
+  return *f;
+}
+
 std::vector<Finding> FindingStore::take_fresh() {
   const std::lock_guard<std::mutex> lock(mu_);
   std::vector<Finding> out;

@@ -25,6 +25,11 @@ class FindingStore final : public FindingSink {
   std::vector<Finding> all() const;
   /// The findings that are new since the last call, for the policy.
   std::vector<Finding> take_fresh();
+  /// Re-run attribution (Note [Re-run attribution]): the stored finding of `kind` and `tensor`
+  /// gets `reproduces` and `text` appended to its message; a copy of it (`fallback`, so
+  /// changed, where none is stored).
+  Finding attribute(const Finding& fallback, std::optional<bool> reproduces,
+                    const std::string& text);
   void said(Kind kind, const std::string& tensor) override;
   /// Whether `f` was printed when it was found (said): close() does not report it again.
   bool was_said(const Finding& f) const;

@@ -101,8 +101,11 @@ class RerunScope {
 
   // Before each run: the state the step started from, no gradients.
   void start(const SanitizerImpl::RerunStart* from) {
-    (from != nullptr ? from->rng : rng_).restore();
-    copy_into(impl_.setup.buffers, from != nullptr ? from->buffers : buffers_);
+    start(from != nullptr ? from->rng : rng_, from != nullptr ? from->buffers : buffers_);
+  }
+  void start(const RngState& rng, const std::vector<at::Tensor>& buffers) {
+    rng.restore();
+    copy_into(impl_.setup.buffers, buffers);
     for (const TrackedParam& p : impl_.params) p.param.mutable_grad().reset();
   }
 
@@ -118,6 +121,144 @@ class RerunScope {
 void SanitizerImpl::capture_rerun_start() {
   rerun_start = RerunStart{step, RngState::capture(cuda_devices(param_tensors(params))),
                            copies(setup.buffers)};
+}
+
+// Re-run attribution (Note [Re-run attribution], checks/attribution.cpp) for a LibTorch loop
+// with Setup::rerun_step: the state each training forward starts from, kept for one step.
+void SanitizerImpl::capture_error_start(const std::vector<at::Tensor>& inputs) {
+  if (opts.rerun_on_error <= 0 || !rerun_step || closed || !at::GradMode::is_enabled()) {
+    return;
+  }
+  const int64_t forwards = error_start && error_start->step == step ? error_start->forwards : 0;
+  error_start = ErrorStart{step,
+                           RngState::capture(cuda_devices(param_tensors(params))),
+                           copies(setup.buffers),
+                           inputs,
+                           {},
+                           forwards + 1};
+}
+
+namespace {
+
+// 16 hex digits.
+std::string hex64(uint64_t h) {
+  static const char* const kDigits = "0123456789abcdef";
+  std::string out(16, '0');
+  for (int i = 15; i >= 0; --i, h >>= 4) out[static_cast<size_t>(i)] = kDigits[h & 0xf];
+  return out;
+}
+
+// The fingerprint of a batch: its tensors' TensorStats::hash, in order, mixed (FNV-1a over the
+// 64-bit words; bindings/trainsan/attribution.py's batch_fingerprint is the same).
+uint64_t combine(const std::vector<uint64_t>& hashes) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const uint64_t x : hashes) {
+    h ^= x;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+std::vector<TensorStats> stats_of(const std::vector<at::Tensor>& ts) {
+  return ts.empty() ? std::vector<TensorStats>{} : tensor_stats(ts);
+}
+
+bool any_nonfinite(const std::vector<TensorStats>& s, size_t from, size_t to) {
+  for (size_t i = from; i < to; ++i) {
+    if (s[i].nonfinite() > 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
+  RerunOutcome o;
+  if (!error_start || error_start->step != f.step) {
+    o.error = "the state step " + std::to_string(f.step) +
+              " started from was not kept (begin_step(), or the forward trainsan::attach sees, "
+              "keeps it for one step)";
+    return o;
+  }
+  const ErrorStart& from = *error_start;
+  o.forwards = from.forwards;
+  o.params_changed = step > f.step;
+  // Buffers the forward updates in place (BatchNorm's statistics) would move the version counters
+  // the step's backward checks, were the re-run to run before it.
+  bool backward_ran = o.params_changed;
+  for (const TrackedParam& p : params) backward_ran = backward_ran || grads.got_grad(p.opt);
+  if (!setup.buffers.empty() && !backward_ran) {
+    o.error =
+        "the model has buffers its forward updates in place (BatchNorm statistics) and the step's "
+        "backward is still to come, which a re-run now would break; call watch_loss(loss) after "
+        "loss.backward(), before optimizer.step()";
+    return o;
+  }
+  try {
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& t : from.inputs) {
+      if (t.defined() && t.layout() == at::kStrided && t.numel() > 0) inputs.push_back(t.detach());
+    }
+    std::vector<uint64_t> hashes;
+    for (const TensorStats& s : stats_of(inputs)) {
+      hashes.push_back(s.hash);
+      o.tensors.push_back(hex64(s.hash));
+    }
+    if (!hashes.empty()) o.fingerprint = hex64(combine(hashes));
+    if (o.params_changed) {
+      o.params_nonfinite = any_nonfinite(stats_of(param_tensors(params)), 0, params.size());
+    }
+    RerunRecord r;
+    std::vector<TensorStats> grads;
+    // trainsan::attach's watch, armed at the step's end, must not take the re-run's forward for
+    // the next step's.
+    const bool armed = watch && watch->armed();
+    if (armed) watch->disarm();
+    struct Rearm {
+      ForwardWatch* w;
+      ~Rearm() {
+        if (w != nullptr) w->arm();
+      }
+    } rearm{armed ? watch.get() : nullptr};
+    {
+      RerunScope scope(*this, cuda_devices(param_tensors(params)));
+      scope.start(from.rng, from.buffers);
+      r = rerun_step();
+      std::vector<at::Tensor> gs;
+      for (const TrackedParam& p : params) {
+        if (fingerprinted(p.param.grad())) gs.push_back(p.param.grad().detach());
+      }
+      grads = stats_of(gs);
+    }  // .grad, the buffers and the RNG state as they were
+    std::vector<at::Tensor> outs;
+    for (const RerunRecord::Output& out : r.outputs) {
+      for (const at::Tensor& t : out.tensors) {
+        if (fingerprinted(t) && t.numel() > 0) outs.push_back(t.detach());
+      }
+    }
+    const size_t n = outs.size();
+    for (const at::Tensor& t : from.losses) outs.push_back(t);
+    const std::vector<TensorStats> s = stats_of(outs);
+    o.outputs_nonfinite = any_nonfinite(s, 0, n);
+    o.outputs_compared = n > 0 && s.size() - n >= n;
+    if (o.outputs_compared) {
+      // The first n losses the step watched, against the re-run's n values.
+      o.step_outputs_nonfinite = any_nonfinite(s, n, 2 * n);
+      o.outputs_match = true;
+      for (size_t i = 0; i < n; ++i) {
+        o.outputs_match = o.outputs_match && s[i].hash == s[n + i].hash;
+      }
+    }
+    o.grads_rerun = !grads.empty();
+    o.grads_nonfinite = any_nonfinite(grads, 0, grads.size());
+    o.ran = true;
+  } catch (const std::exception& e) {  // reported in the finding, never retried
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+    o.ran = false;
+    o.error = what.substr(0, what.find('\n'));
+  }
+  return o;
 }
 
 }  // namespace host

@@ -178,6 +178,7 @@ void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   f.module_eval = setup.binding->module_eval();
   f.inputs = pending_inputs.empty() ? std::move(batch) : pending_inputs;
   f.opt = opt;
+  if (f.training) capture_error_start(f.inputs);  // Note [Re-run attribution]
   if (grad_enabled) pending_inputs.clear();
   forward(f);
 }
@@ -372,6 +373,7 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   v.outcome = loss_seq;
   loss_waiting = true;
   v.in_step = grads.in_step();  // a closure's evaluation (LBFGS): nonfinite_loss only
+  if (error_start && error_start->step == step) error_start->losses.push_back(loss.detach());
   v.dtype = c10::toString(loss.scalar_type());
   if (v.dtype == "Half") v.dtype = "float16";
   if (v.dtype == "BFloat16") v.dtype = "bfloat16";

@@ -27,7 +27,9 @@ Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
 
 Sanitizer::Sanitizer(std::vector<Parameter> parameters, Options options, Setup setup)
     : impl_(std::make_unique<host::SanitizerImpl>(std::move(parameters), std::move(options),
-                                                  std::move(setup))) {}
+                                                  std::move(setup))) {
+  impl_->rerun_step = impl_->setup.rerun_step;  // set_rerun_step may replace it
+}
 
 Sanitizer::~Sanitizer() {
   if (!impl_) return;  // moved from
@@ -42,7 +44,13 @@ Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
 
 void Sanitizer::report() {
   impl_->add_overhead(impl_->audit->take_overhead());
-  for (const Finding& f : impl_->store.take_fresh()) {
+  for (Finding f : impl_->store.take_fresh()) {
+    // Re-run attribution of a LibTorch loop (Setup::rerun_step): before the policy acts.
+    if (impl_->rerun_step && !impl_->closed) {
+      const RerunNeed need = rerun_needed(f);
+      if (need == RerunNeed::kRun) f = attribute(f, impl_->rerun_for(f));
+      if (need == RerunNeed::kKnown) f = attribute(f, std::nullopt);
+    }
     // A finding printed when it was found (an op about to fail on it) is not raised or printed
     // again by close(): the job already saw it, and close() may run while the op's own error
     // propagates.
@@ -73,6 +81,7 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
   impl_->check_updates_outside_step(-1);
   report();
   if (rerun_due()) impl_->capture_rerun_start();
+  impl_->capture_error_start(inputs);
   ForwardFacts f;
   f.inputs = inputs;
   f.module_eval = module_eval;

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -177,8 +178,27 @@ struct SanitizerImpl {
   };
   std::optional<RerunStart> rerun_start;
   void capture_rerun_start();
-  double overhead_s = 0.0;       // total measured
-  double step_overhead_s = 0.0;  // since the last step record
+  // Re-run attribution (Options::rerun_on_error; Note [Re-run attribution] in
+  // checks/attribution.cpp; attribution.cpp). A LibTorch loop's step (Setup::rerun_step): the
+  // state its training forward started from, its inputs and the losses it watched.
+  struct ErrorStart {
+    int64_t step = -1;
+    RngState rng;
+    std::vector<at::Tensor> buffers;  // copies of Setup::buffers
+    std::vector<at::Tensor> inputs;   // references (the batch's fingerprint)
+    std::vector<at::Tensor> losses;   // detached references, in the order watched
+    int64_t forwards = 0;
+  };
+  std::optional<ErrorStart> error_start;
+  void capture_error_start(const std::vector<at::Tensor>& inputs);
+  RerunOutcome rerun_for(const Finding& f);  // runs rerun_step once
+  std::function<RerunRecord()> rerun_step;   // Setup::rerun_step, or set_rerun_step's
+  int64_t attribution_reruns = 0;            // re-runs made (at most opts.rerun_on_error)
+  // step -> the kind whose re-run it had and the verdict (the last few steps)
+  std::map<int64_t, std::pair<std::string, RerunVerdict>> attributed;
+  std::set<std::string> attribution_answered;  // kind + "\x1f" + tensor
+  double overhead_s = 0.0;                     // total measured
+  double step_overhead_s = 0.0;                // since the last step record
 
   // The kinds of kinds.def whose `event` arrived at least once (coverage: an event kind that
   // never had its event is unchecked, for a caller that does not gather them itself).

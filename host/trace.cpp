@@ -207,7 +207,9 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
     os << sep << "{\"kind\":" << json_escape(f.kind)
        << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
        << ",\"first_step\":" << f.step << ",\"last_step\":" << f.last_step
-       << ",\"count\":" << f.count << "}";
+       << ",\"count\":" << f.count;
+    if (f.reproduces) os << ",\"reproduces\":" << (*f.reproduces ? "true" : "false");
+    os << "}";
     sep = ",";
   }
   os << "],\"coverage\":{\"steps_checked\":" << c.steps_checked

@@ -96,15 +96,17 @@ options_op() {
 }
 
 // A finding as a TorchScript-friendly tuple:
-// (kind, step, severity, tensor, message, value (NaN: none), count, last_step).
+// (kind, step, severity, tensor, message, value (NaN: none), count, last_step, reproduces (-1:
+// none, 0, 1: Note [Re-run attribution])).
 using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
-                                int64_t, int64_t>;
+                                int64_t, int64_t, int64_t>;
 // A reported finding: the tuple and the policy's answer (trainsan::Action as an int).
 using Report = std::tuple<FindingTuple, int64_t>;
 
 FindingTuple to_tuple(const trainsan::Finding& f) {
-  return {f.kind,  f.step,     f.severity, f.tensor, f.message, f.value ? *f.value : std::nan(""),
-          f.count, f.last_step};
+  return {f.kind,   f.step,      f.severity,
+          f.tensor, f.message,   f.value ? *f.value : std::nan(""),
+          f.count,  f.last_step, f.reproduces ? static_cast<int64_t>(*f.reproduces) : -1};
 }
 
 // torch.classes.trainsan.Sanitizer: the Python package's handle on a trainsan::Sanitizer. Each
@@ -269,6 +271,29 @@ TORCH_LIBRARY(trainsan, m) {
            [](const H& h, FactsDict facts) {
              h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));
              return h->take();
+           })
+      // Re-run attribution (Note [Re-run attribution]): the finding of `kind` and `tensor` at
+      // `step`, new at the event just reported.
+      .def("rerun_needed",
+           [](const H& h, std::string kind, std::string tensor, int64_t step, std::string sev) {
+             trainsan::Finding f;
+             f.kind = std::move(kind);
+             f.tensor = std::move(tensor);
+             f.step = step;
+             f.severity = std::move(sev);
+             return static_cast<int64_t>(h->san->rerun_needed(f));
+           })
+      .def("attribute",
+           [](const H& h, std::string kind, std::string tensor, int64_t step, std::string sev,
+              std::optional<FactsDict> outcome) {
+             trainsan::Finding f;
+             f.kind = std::move(kind);
+             f.tensor = std::move(tensor);
+             f.step = step;
+             f.severity = std::move(sev);
+             std::optional<trainsan::RerunOutcome> o;
+             if (outcome) o = facts_from_dict<trainsan::RerunOutcome>(*outcome);
+             return to_tuple(h->san->attribute(f, o));
            })
       .def("inputs_seen",
            [](const H& h, std::vector<int64_t> hashes, std::vector<int64_t> steps) {

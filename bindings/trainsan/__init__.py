@@ -15,6 +15,7 @@ from . import resume as _resume
 from ._attach import attach, attached
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._tables import KINDS, OPTIONS, Options
+from .attribution import poison_batches, skip_poison
 from .checkpoint import CheckpointReport, check_checkpoint
 from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
@@ -76,6 +77,8 @@ __all__ = [
     "attached",
     "cmake_prefix_path",
     "cuda_compiled",
+    "poison_batches",
+    "skip_poison",
     "tensor_stats",
     "tensor_stats_async",
 ]

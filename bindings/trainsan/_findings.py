@@ -40,6 +40,10 @@ class Finding:
         How often it occurred; a repeat is reported once in full, then counted.
     last_step : int
         Step of the latest occurrence.
+    reproduces : bool or None
+        Re-run attribution (option ``rerun_on_error``): whether a re-run of the step from its
+        saved inputs, RNG state and buffers reproduced it (a data or code fault) or not (a
+        transient fault); None when not re-run or the re-run could not tell.
     """
 
     kind: str
@@ -50,10 +54,12 @@ class Finding:
     value: Optional[float] = None
     count: int = 1
     last_step: int = 0
+    reproduces: Optional[bool] = None
 
     @classmethod
     def _from_tuple(cls, t: Sequence[Any]) -> "Finding":
-        kind, step, severity, tensor, message, value, count, last_step = t
+        kind, step, severity, tensor, message, value, count, last_step = t[:8]
+        reproduces = t[8] if len(t) > 8 else -1
         return cls(
             kind=kind,
             step=int(step),
@@ -63,6 +69,7 @@ class Finding:
             value=None if value is None or math.isnan(value) else float(value),
             count=int(count),
             last_step=int(last_step),
+            reproduces=None if reproduces is None or reproduces < 0 else bool(reproduces),
         )
 
     def __str__(self) -> str:

@@ -40,8 +40,8 @@ from .autograd_checks import CustomGradCheck, SavedTensorCheck
 from .checkpoint import gather, holds_model
 from .determinism import Rerun
 from .precision import Provenance, write_headroom
-from .replicas import ReplicaComparison
-from .replicas import active as replicas_active
+from .attribution import attributed, attribution
+from .replicas import ReplicaComparison, active as replicas_active
 from .resume import ResumeWatch, replay_loads
 from .stats import TensorStats, _unpack
 
@@ -281,7 +281,7 @@ class Sanitizer:
             )
             self._parts.append(Replicas(self._replicas))
         self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
-        self._parts.append(Reruns(self._rerun))
+        self._parts += [Reruns(self._rerun), attribution(self, model, options)]
         self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
         self._parts.append(Resumes(self._resume))
         self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
@@ -374,7 +374,7 @@ class Sanitizer:
 
     def _apply(self, reports) -> None:
         """Map the policy's answers (decided in C++) to an exception or a warning."""
-        for t, action in reports:
+        for t, action in attributed(self, reports):  # Note [Re-run attribution]
             if ACTIONS[action] == "raise":
                 raise TrainingBugError(Finding._from_tuple(t))
             if ACTIONS[action] == "warn":

@@ -8,8 +8,11 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -509,6 +512,85 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
   std::string list;
   for (const auto& k : missing) list += " " + k;
   EXPECT_TRUE(missing.empty()) << "kinds no LibTorch scenario reached:" << list;
+}
+
+// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution]): a NaN the batch
+// carries reproduces when the step is re-run (and writes a poison_batch record); a NaN a flaky
+// forward made once does not; off, nothing changes.
+TEST(Attribution, LibTorchLoopSaysWhetherTheStepReproduces) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const char* mode : {"batch", "transient", "off", "raise"}) {
+    SCOPED_TRACE(mode);
+    const std::string m = mode;
+    const std::string trace = ::testing::TempDir() + "trainsan_attribution.jsonl";
+    trainsan::Options o = record();
+    o.rerun_on_error = m == "off" ? 0 : 3;
+    o.trace = trace;
+    if (m == "raise") o.policy = "raise";
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net.parameters(), 0.05);
+    auto san = trainsan::attach(net, opt, o);
+    int calls = 0;
+    torch::Tensor x;
+    int i = 0;
+    auto forward = [&](const torch::Tensor& in) {
+      calls += 1;
+      auto out = net.forward(in);
+      return m == "transient" && calls == 3 ? out * nan : out;  // step 2's own forward only
+    };
+    int reruns = 0;
+    san.set_rerun_step([&] {
+      reruns += 1;
+      auto l = kCrossEntropy(forward(x), i);
+      l.backward();
+      return trainsan::RerunRecord().add("loss", {l});
+    });
+    std::optional<trainsan::Finding> raised;
+    try {
+      for (i = 0; i < 4; ++i) {
+        opt.zero_grad();
+        x = batch(i);
+        if (m != "transient" && i == 2) x[0][0] = nan;
+        auto loss = kCrossEntropy(forward(x), i);
+        san.watch_loss(loss);  // before the backward: judged at the step's own parameters
+        loss.backward();
+        opt.step();
+        san.end_step(loss);
+      }
+    } catch (const trainsan::TrainingBugError& e) {
+      raised = e.finding;
+    }
+    san.close();
+    std::optional<trainsan::Finding> f;
+    for (const auto& g : san.findings()) {
+      if (g.kind == "nonfinite_loss") f = g;
+    }
+    ASSERT_TRUE(f.has_value());
+    EXPECT_EQ(f->step, 2);
+    std::ifstream in(trace);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (m == "off") {
+      EXPECT_FALSE(f->reproduces.has_value());
+      EXPECT_EQ(f->message.find("re-run"), std::string::npos) << f->message;
+      EXPECT_EQ(reruns, 0);
+      EXPECT_EQ(text.find("rerun_attribution"), std::string::npos);
+      continue;
+    }
+    EXPECT_EQ(reruns, 1);  // once: the repeats and the nonfinite_grad of step 2 are not re-run
+    ASSERT_TRUE(f->reproduces.has_value()) << f->message;
+    EXPECT_EQ(*f->reproduces, m != "transient") << f->message;
+    EXPECT_NE(f->message.find(m == "transient" ? "does not reproduce" : "reproduces (a data"),
+              std::string::npos)
+        << f->message;
+    EXPECT_EQ(text.find("\"type\":\"poison_batch\"") != std::string::npos, m != "transient");
+    if (m == "raise") {
+      ASSERT_TRUE(raised.has_value());
+      EXPECT_EQ(raised->kind, "nonfinite_loss");
+      EXPECT_TRUE(raised->reproduces.value_or(false)) << raised->message;
+    }
+    std::remove(trace.c_str());
+  }
 }
 
 }  // namespace

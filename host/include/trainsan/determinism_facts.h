@@ -47,6 +47,38 @@ struct FactTable<RerunFacts> {
   }
 };
 
+/// What one re-run of a step found, for re-run attribution (fields: rerun_outcome.def).
+struct RerunOutcome {
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/rerun_outcome.def"
+#undef TRAINSAN_FACT
+};
+
+template <>
+struct FactTable<RerunOutcome> {
+  static constexpr const char* kName = "RerunOutcome";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/rerun_outcome.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+/// Re-run attribution's answer on a finding of `kind` (Note [Re-run attribution],
+/// host/checks/attribution.cpp): `reproduces` (empty: the re-run could not tell) and the words
+/// appended to the finding's message.
+struct RerunVerdict {
+  std::optional<bool> reproduces;
+  std::string text;
+};
+
+/// The kinds re-run attribution applies to: nonfinite_loss, nonfinite_grad, loss_spike.
+bool rerun_attributable(const std::string& kind);
+
+/// Judges a re-run of the step of a `kind` finding (rerun_attributable(kind)).
+RerunVerdict judge_rerun(const std::string& kind, const RerunOutcome& outcome);
+
 /// The fingerprints of one run of a step (TensorStats::hash of each tensor).
 struct RerunFingerprints {
   /// One module's output (or another named value the caller records, e.g. the loss).

@@ -19,6 +19,10 @@ struct Finding {
   std::optional<double> value;  ///< the figure that triggered it
   int64_t count = 1;            ///< how often it occurred (a repeat is reported once, then counted)
   int64_t last_step = 0;        ///< the step of the latest occurrence
+  /// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution]): whether a re-run of
+  /// the step from its saved inputs, RNG state and buffers reproduced it (a data or code fault)
+  /// or not (a transient fault); empty when not re-run or the re-run could not tell.
+  std::optional<bool> reproduces;
 };
 
 /// Raised by the "raise" policy on the first error-severity finding.

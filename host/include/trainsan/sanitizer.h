@@ -81,6 +81,25 @@ struct ModelBinding {
   virtual std::optional<ResumeFacts> first_step_after_load(int64_t /*opt*/) { return std::nullopt; }
 };
 
+/// What one run of a training step's forward and backward produced, for the nondeterminism
+/// re-runs (Sanitizer::rerun): the values the caller chooses to compare, in execution order, e.g.
+///   trainsan::RerunRecord r;
+///   r.add("model", {out}).add("loss", {loss});
+/// Their floating tensors are fingerprinted (TensorStats::hash); the gradients are read by the
+/// sanitizer from its parameters.
+struct RerunRecord {
+  struct Output {
+    std::string name;  ///< e.g. a module's name; "" is the model itself
+    std::string type;  ///< e.g. "Linear"; may be empty
+    std::vector<at::Tensor> tensors;
+  };
+  std::vector<Output> outputs;
+  RerunRecord& add(std::string name, std::vector<at::Tensor> tensors, std::string type = "") {
+    outputs.push_back({std::move(name), std::move(type), std::move(tensors)});
+    return *this;
+  }
+};
+
 /// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
 struct Setup {
   /// Modules whose train/eval mode matters, registered once (Note [Mode rules]): those whose
@@ -103,6 +122,19 @@ struct Setup {
   /// Default: throw TrainingBugError for Action::kRaise (after completing the trace's summary, so
   /// that an uncaught error still leaves a complete trace), print to stderr for Action::kWarn.
   std::function<void(const Finding&, Action)> report;
+  /// Re-run attribution for a LibTorch loop (Options::rerun_on_error; Note [Re-run attribution]
+  /// in host/checks/attribution.cpp): runs the current step's forward, and its backward
+  /// (loss.backward()) where it can, again on the same batch, and returns the step's loss (or
+  /// what else it compares) as a RerunRecord, e.g.
+  ///   setup.rerun_step = [&] { auto loss = crit(model->forward(x), y); loss.backward();
+  ///                            return trainsan::RerunRecord().add("loss", {loss}); };
+  /// Called at most once per new nonfinite_loss, nonfinite_grad or loss_spike finding,
+  /// before the policy acts, from the RNG state and Setup::buffers as begin_step() (or the
+  /// forward trainsan::attach saw) found them; .grad, the RNG state and the buffers are put back
+  /// afterwards. Its tensors are compared with the losses watched in that step (watch_loss,
+  /// end_step(loss)). It must not call this sanitizer's event methods; an exception it throws is
+  /// caught and reported in the finding ("could not re-run"). Empty: no re-run.
+  std::function<RerunRecord()> rerun_step;
   /// The model and optimizers, read at each forward and step (trainsan::attach sets it).
   std::shared_ptr<ModelBinding> binding;
   /// The caller gathers the facts of the `event` and `python` kinds of kinds.def itself (the
@@ -131,25 +163,6 @@ struct ForwardFacts {
   /// Other tensors of the step's batch than the forward's inputs (the labels a loader yields
   /// next to them): label_dtype compares a loss's class targets with the small-integer ones.
   std::vector<at::Tensor> batch = {};
-};
-
-/// What one run of a training step's forward and backward produced, for the nondeterminism
-/// re-runs (Sanitizer::rerun): the values the caller chooses to compare, in execution order, e.g.
-///   trainsan::RerunRecord r;
-///   r.add("model", {out}).add("loss", {loss});
-/// Their floating tensors are fingerprinted (TensorStats::hash); the gradients are read by the
-/// sanitizer from its parameters.
-struct RerunRecord {
-  struct Output {
-    std::string name;  ///< e.g. a module's name; "" is the model itself
-    std::string type;  ///< e.g. "Linear"; may be empty
-    std::vector<at::Tensor> tensors;
-  };
-  std::vector<Output> outputs;
-  RerunRecord& add(std::string name, std::vector<at::Tensor> tensors, std::string type = "") {
-    outputs.push_back({std::move(name), std::move(type), std::move(tensors)});
-    return *this;
-  }
 };
 
 /// For a RecomputeRecord (Note [Recompute checks]; Sanitizer::recompute): the fingerprints
@@ -292,6 +305,24 @@ class Sanitizer {
   /// step's own forward recorded (the same values), is compared with them when begin_step()
   /// started this step. A difference is reported through rerun_result().
   void rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step = {});
+  /// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution] in
+  /// host/checks/attribution.cpp): what the new finding `f` (its kind and tensor) needs.
+  /// kNone: nothing (off, not a nonfinite_loss, nonfinite_grad or loss_spike, already
+  /// answered); kRun: a re-run of its step, whose outcome attribute() takes; kKnown: no re-run, and
+  /// attribute(f, std::nullopt) answers (its step was re-run for an earlier finding, or the
+  /// rerun_on_error re-runs are spent). A LibTorch loop with Setup::rerun_step needs none of this:
+  /// each event does it before the policy acts.
+  enum class RerunNeed : uint8_t { kNone = 0, kRun = 1, kKnown = 2 };
+  RerunNeed rerun_needed(const Finding& f) const;
+  /// Puts the answer of a re-run of `f`'s step (`outcome`; nullopt: rerun_needed said kKnown) in
+  /// the stored finding and returns it: `reproduces` and the verdict appended to the message
+  /// (judge_rerun), a "rerun_attribution" trace record, and, where it reproduces, a
+  /// "poison_batch" record of the batch's fingerprint (docs/trace.md). Counts against the
+  /// rerun_on_error budget when `outcome` is given.
+  Finding attribute(const Finding& f, const std::optional<RerunOutcome>& outcome);
+  /// Sets Setup::rerun_step (re-run attribution) after construction, e.g. on the sanitizer
+  /// trainsan::attach returns; an empty function turns it off.
+  void set_rerun_step(std::function<RerunRecord()> step_fn);
   /// Whether the current step's recomputed regions are checked (recompute_every; Note
   /// [Recompute checks] in host/checks/determinism.cpp).
   bool recompute_due() const;
