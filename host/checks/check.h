@@ -571,8 +571,7 @@ class CheckpointCheck {  // checkpoint.cpp: bad_checkpoint (Note [Checkpoint che
   [[maybe_unused]] const Options& opts_;  // no option yet
 };
 
-class ResumeCheck {  // resume.cpp: optimizer_reset, bad_checkpoint of a lossy load;
-                     // resume_data.cpp: renamed layers, the data position (duplicate_batch)
+class ResumeCheck {  // resume.cpp, resume_data.cpp: optimizer_reset, bad_checkpoint, data position
  public:
   ResumeCheck(FindingSink& sink, const Options& opts) : sink_(sink), opts_(opts) {}
   void on_resume(const ResumeFacts& facts, int64_t step);
@@ -595,11 +594,7 @@ class DeterminismCheck {  // determinism.cpp: nondeterminism (Note [Re-run deter
   /// Whether the step `step`'s checkpointed regions are checked against their recompute
   /// (Note [Recompute checks]): the first step asked about (attached mid-run: at once), then
   /// every recompute_every-th (0: never).
-  bool recompute_due(int64_t step) const {
-    if (opts_.recompute_every <= 0) return false;
-    if (!first_recompute_) first_recompute_ = step;
-    return step == *first_recompute_ || step % opts_.recompute_every == 0;
-  }
+  bool recompute_due(int64_t step) const;  // determinism.cpp
 
  private:
   FindingSink& sink_;

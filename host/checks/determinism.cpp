@@ -1,5 +1,6 @@
 // nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits;
-// or an activation-checkpointed region, recomputed in the backward, gave other bits than its forward.
+// or an activation-checkpointed region, recomputed in the backward, gave other bits than its
+// forward.
 #include <algorithm>
 
 #include "checks/check.h"
@@ -103,6 +104,12 @@ void DeterminismCheck::on_rerun(const RerunFacts& f, int64_t step) {
       break;
   }
   sink_.add(Kind::nondeterminism, f.tensor, msg, std::nullopt, step);
+}
+
+bool DeterminismCheck::recompute_due(int64_t step) const {
+  if (opts_.recompute_every <= 0) return false;
+  if (!first_recompute_) first_recompute_ = step;
+  return step == *first_recompute_ || step % opts_.recompute_every == 0;
 }
 
 }  // namespace trainsan::host

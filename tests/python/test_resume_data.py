@@ -14,8 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 import trainsan
+from _launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launcher", "resume_data_script.py")
@@ -372,10 +371,7 @@ def test_sampler_set_epoch_restored_is_silent(distributed):
 # -- through the launcher --------------------------------------------------------------------------
 
 def _run(*args, launcher=True):
-    pre = [sys.executable, "-m", "trainsan", "run", "--policy", "record"] if launcher else [
-        sys.executable]
-    return subprocess.run(pre + list(args), capture_output=True, text=True, timeout=180,
-                          env=ENV)
+    return run_script(*args, launcher=launcher, env=ENV)
 
 
 @pytest.fixture(scope="module")

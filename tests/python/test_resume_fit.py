@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainsan
+from _launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launcher", "resume_fit_script.py")
@@ -490,10 +489,7 @@ def test_a_new_optimizer_type_is_silent(hf_pretrained):
 # -- through the launcher --------------------------------------------------------------------------
 
 def _run(*args, launcher=True):
-    pre = [sys.executable, "-m", "trainsan", "run", "--policy", "record"] if launcher else [
-        sys.executable]
-    return subprocess.run(pre + list(args), capture_output=True, text=True, timeout=180,
-                          env=ENV)
+    return run_script(*args, launcher=launcher, env=ENV)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainsan
+from _launch import run_script
 from trainsan import resume as resume_mod
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,10 +193,7 @@ def test_loader_state_is_journaled(checkpoint):
 # -- through the launcher --------------------------------------------------------------------------
 
 def _run(*args, launcher=True):
-    pre = [sys.executable, "-m", "trainsan", "run", "--policy", "record"] if launcher else [
-        sys.executable]
-    return subprocess.run(pre + list(args), capture_output=True, text=True, timeout=180,
-                          env=ENV)
+    return run_script(*args, launcher=launcher, env=ENV)
 
 
 @pytest.fixture(scope="module")
