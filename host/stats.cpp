@@ -193,8 +193,15 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
   // even split by count leaves one thread with all the updates. One task per thread, each a
   // contiguous run of chunks of about equal cost; which thread computes a chunk cannot change
   // its record, so the result is the same bits as before.
+  // A small pass runs on the calling thread: below about 2^16 elements, waking the pool costs
+  // more than the pass (a tiny model paid its every step in thread wake-ups on a loaded machine).
+  constexpr int64_t kSerialElements = int64_t{1} << 16;
+  int64_t total_elements = 0;
+  for (int64_t t = 0; t < n; ++t) total_elements += w.descs[t].numel;
   const int64_t num_tasks =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_chunks));
+      total_elements < kSerialElements
+          ? 1
+          : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_chunks));
   std::vector<int64_t> task_begin(static_cast<size_t>(num_tasks) + 1, num_chunks);
   task_begin[0] = 0;
   if (num_tasks > 1) {
@@ -215,7 +222,7 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
       task_begin[t] = c;
     }
   }
-  at::parallel_for(0, num_tasks, 1, [&](int64_t task_lo, int64_t task_hi) {
+  const auto run_tasks = [&](int64_t task_lo, int64_t task_hi) {
     const int64_t begin = task_begin[task_lo];
     const int64_t end = task_begin[task_hi];
     std::vector<char> scratch;
@@ -228,7 +235,12 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
       }
       kn::cpu_chunk_stats(d, start, count, scratch.data(), &partials[c]);
     }
-  });
+  };
+  if (num_tasks == 1) {
+    run_tasks(0, 1);
+  } else {
+    at::parallel_for(0, num_tasks, 1, run_tasks);
+  }
   at::Tensor ints = at::empty({n, ni}, at::kLong);
   at::Tensor floats = at::empty({n, nf}, at::kDouble);
   int64_t* ip = ints.data_ptr<int64_t>();
