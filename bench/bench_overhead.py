@@ -254,26 +254,35 @@ def wrap_handle_timers(c: Contender) -> None:
 def memory_floor(c: Contender, steps: int) -> dict:
     """--breakdown: after plain steps, time one read of every gradient and parameter (a sum
     each) and a copy of the parameters into a snapshot: what any pass that reads them all and
-    keeps a snapshot costs at least, from memory traffic alone."""
+    keeps a snapshot costs at least, from memory traffic alone. And the statistics pass over the
+    gradients alone (trainsan.tensor_stats) against torch._foreach_norm over the same gradients:
+    one read of them, the floor of an every-step check (issue 23)."""
     params = [p for p in c.model.parameters() if p.grad is not None]
     snaps = [p.detach().clone() for p in params]
     sync = torch.cuda.synchronize if c.device.type == "cuda" else (lambda: None)
-    read, copy_ = [], []
-    for i in range(steps):
+    times: dict = {"read_grads_params": [], "snapshot_copy": [], "grads_stats": [],
+                   "grads_foreach_norm": []}
+    kinds = list(times)
+    for i in range(2 * steps):
         c.run(1, record=False)
+        grads = [p.grad for p in params]
         sync()
         t0 = time.perf_counter()
-        if i % 2 == 0:
+        kind = kinds[i % len(kinds)]
+        if kind == "read_grads_params":
             for p in params:
                 p.grad.sum()
                 p.sum()
-        else:
+        elif kind == "snapshot_copy":
             for s, p in zip(snaps, params):
                 s.copy_(p)
+        elif kind == "grads_stats":
+            trainsan.tensor_stats(grads)
+        else:
+            torch._foreach_norm(grads)
         sync()
-        (read if i % 2 == 0 else copy_).append(time.perf_counter() - t0)
-    return {"read_grads_params": statistics.median(read) * 1e3,
-            "snapshot_copy": statistics.median(copy_) * 1e3}
+        times[kind].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 # -- the benchmark ----------------------------------------------------------------------------
@@ -509,6 +518,9 @@ def main(argv=None) -> int:
             print(f"memory floor {res['model']}: read grads+params "
                   f"{fl['read_grads_params']:.3f} ms, snapshot copy {fl['snapshot_copy']:.3f} ms"
                   f" (sum {fl['read_grads_params'] + fl['snapshot_copy']:.3f} ms)")
+            print(f"gradient pass {res['model']}: tensor_stats {fl['grads_stats']:.3f} ms, "
+                  f"torch._foreach_norm {fl['grads_foreach_norm']:.3f} ms "
+                  f"({fl['grads_stats'] / max(fl['grads_foreach_norm'], 1e-9):.2f}x the floor)")
     print()
     for line in goals(results):
         print("goal " + line)
