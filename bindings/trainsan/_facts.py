@@ -308,7 +308,7 @@ def _optimizers_holding_none(optimizers, params) -> list:
     """What is wrong with each optimizer that holds none of the model's parameters (it updates
     tensors the model does not use: it was built before the parameters were replaced by
     fully_shard, distribute_module, ...), one message each; attach() raises the first under
-    policy "raise" (Note [Attach order] in sanitizer.py)."""
+    policy "raise" (Note [Attach order] in _attach_order.py)."""
     ids = {id(p) for p in params}
     out = []
     for k, opt in enumerate(optimizers):

@@ -10,7 +10,6 @@ the sanitizer holds are members of one list (Note [Gatherers] in _gatherers.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -26,14 +25,14 @@ from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _gro
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
                      outside_model)
+from ._attach_order import _GOES_ON, _user_stacklevel, rebind
 from ._findings import (Finding, TrainingBugError, TrainingBugWarning, merge_findings,
                         summary_text)
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
-from ._patches import (_attached, _data_restarts, _forward_clock, _loader_patch, _loss_patch,
-                       _save_patch, _scaler_patch, _step_counts, _zero_grad_patch, attached_to,
-                       take_loader_facts)
+from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
+                       _scaler_patch, _step_counts, _zero_grad_patch, take_loader_facts)
 from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
 from .audit import LabelGuard
 from .autograd_checks import CustomGradCheck, SavedTensorCheck
@@ -56,56 +55,6 @@ __all__ = [
 ]
 
 _NO_IDS: frozenset = frozenset()
-
-# Note [Attach order]
-# ~~~~~~~~~~~~~~~~~~~
-# TrainSan watches the parameter objects the model holds when attach() runs, so the order is:
-# replace the parameters (a wrapper, fully_shard, distribute_module, to_empty,
-# load_state_dict(assign=True)), build the optimizer, attach. Two preconditions say when it was
-# not: at attach, an optimizer that holds none of the model's parameters (built before they were
-# replaced); at the first step (ParamsLive), attached parameters the model no longer holds
-# (replaced after attach). Under policy "raise" each is an error (ValueError from attach,
-# RuntimeError from the first step). Under "warn" and "record" TrainSan's own preconditions never
-# raise into the script:
-# * An optimizer holding none of the parameters: attach goes on, and a note says why its steps
-#   update nothing the model uses. No finding does: with no parameter in any optimizer the C++
-#   side judges the model as one without an optimizer (have_optimizer: param_not_in_optimizer,
-#   missing_grad and the mode rules say nothing; update_ratio may warn of updates of 0).
-# * Parameters replaced after attach: the sanitizer re-binds (_rebind) at that first step to the
-#   model as it is now, with the same optimizers, policy, options, checks and trace path: what it
-#   installed is released quietly (the C++ side's reports at close are not applied) and built
-#   anew. That step is then in flight for the new hooks, as for an attach inside a step
-#   (step_in_flight: the step rules do not judge it; its gradients arrived before the new hooks);
-#   the checks go on from the next step. The trace restarts (the C++ side opens it anew, header
-#   included); its first records after the header are the notes so far, then the re-binding's,
-#   which lists the findings made before it. Those findings stay in `findings` (merged by kind
-#   and tensor with the new ones) and their counts in coverage(). The model stays registered as
-#   attached (attached(model) is the same object).
-# A note is a trace record {"type": "note", "about": ..., "step": ..., "message": ...}, listed by
-# summary() and coverage()["notes"], and under "warn" a TrainingBugWarning.
-_GOES_ON = {
-    "optimizer_holds_none": (
-        "; TrainSan goes on (policy {policy}) watching the model's parameters, which this "
-        "optimizer's steps leave unchanged (no finding says so: the step rules that need an "
-        "optimizer see none holding them)"),
-    "parameters_replaced": (
-        "; TrainSan re-binds to the model's current parameters at this step (policy {policy}) "
-        "and goes on checking from the next step; the trace restarts here"),
-}
-# coverage() counts that add up across a re-binding (the others are the new binding's).
-_ADDITIVE = ("steps_checked", "update_steps", "training_forwards", "other_forwards",
-             "losses_checked", "inputs_fingerprinted", "audited_forwards", "ops_audited")
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the first frame outside trainsan and torch (for a warning)."""
-    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    tdir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    f, level = sys._getframe(2), 2  # the caller of the function that asks
-    while f is not None and f.f_code.co_filename.startswith((pkg, tdir)):
-        f, level = f.f_back, level + 1
-    return level
-
 
 class Sanitizer:
     """A sanitizer attached to one model (and its optimizers). Create it with :func:`attach`."""
@@ -322,53 +271,8 @@ class Sanitizer:
         self._rebind(message)
 
     def _rebind(self, message: str) -> None:
-        """Re-bind to the model's current parameters (Note [Attach order])."""
-        registered = attached_to(self._model) is self
-        old = self._handle
-        counts = dict(old.coverage()[0])
-        self._closed = True
-        _patches.unregister(self)
-        for part in self._parts:
-            try:
-                part.close()
-            except Exception:  # noqa: BLE001 - quiet: what is left is built anew
-                pass
-        try:
-            old.close()  # its reports are not applied; its summary record is overwritten
-        except Exception:  # noqa: BLE001
-            pass
-        self._binding += 1
-        try:
-            self._build()
-        except Exception as exc:  # noqa: BLE001 - never raise into the script under warn/record
-            self._closed = True
-            _patches.unregister(self)
-            for part in self._parts:
-                try:
-                    part.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            if self._handle is not old:
-                try:
-                    self._handle.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            self._handle = old  # what it found stays readable
-            warnings.warn(f"{message}; re-binding to the model's current parameters failed "
-                          f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
-                          TrainingBugWarning, stacklevel=_user_stacklevel())
-            return
-        before = [Finding._from_tuple(t) for t in old.findings()]
-        self._before = merge_findings(self._before, before)
-        for key in _ADDITIVE:
-            if key in counts:
-                self._counts_before[key] = self._counts_before.get(key, 0) + int(counts[key])
-        if registered:
-            _attached[self._model] = weakref.ref(self)
-            _compile.wrap_compiled_call(self._model)
-        extra = {"findings_before": [dataclasses.asdict(f) for f in before]} if before else {}
-        self._note("parameters_replaced",
-                   message + _GOES_ON["parameters_replaced"].format(policy=self._policy), **extra)
+        """Re-bind to the model's current parameters (Note [Attach order], _attach_order.py)."""
+        rebind(self, message)
 
     # -- events ---------------------------------------------------------------------------------
 
