@@ -112,7 +112,7 @@ static void check_one_device(const std::vector<at::Tensor>& tensors, const char*
 }
 
 Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>* snapshots,
-                   const std::vector<char>* no_hash) {
+                   const std::vector<char>* modes) {
   Described out;
   out.descs.resize(tensors.size());
   out.chunk_begin.resize(tensors.size() + 1);
@@ -156,7 +156,7 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
     d.snapshot = nullptr;
-    d.no_hash = (no_hash != nullptr && (*no_hash)[i]) ? 1 : 0;
+    d.mode = modes != nullptr ? static_cast<int32_t>((*modes)[i]) : kn::kModeFull;
     if (snapshots != nullptr && (*snapshots)[i].defined() && d.numel > 0) {
       const at::Tensor& snap = (*snapshots)[i];
       TORCH_INTERNAL_ASSERT(snap.is_contiguous() && snap.numel() == d.numel &&
@@ -171,8 +171,8 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
 }
 
 PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
-                       const std::vector<at::Tensor>* snapshots, const std::vector<char>* no_hash) {
-  const Described w = describe(tensors, snapshots, no_hash);
+                       const std::vector<at::Tensor>* snapshots, const std::vector<char>* modes) {
+  const Described w = describe(tensors, snapshots, modes);
   const bool with_update = snapshots != nullptr;
   const int ni = with_update ? kn::kIntFieldsUpdate : kn::kIntFields;
   const int nf = with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields;
@@ -249,10 +249,11 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
     kn::StatsRecord r;
     kn::combine_records(partials.data() + w.chunk_begin[t], w.chunk_begin[t + 1] - w.chunk_begin[t],
                         &r);
+    const bool lean = w.descs[t].mode == kn::kModeLean;
     if (with_update) {
-      kn::pack_record_update(r, ip + t * ni, fp + t * nf);
+      kn::pack_record_update(r, ip + t * ni, fp + t * nf, lean);
     } else {
-      kn::pack_record(r, ip + t * ni, fp + t * nf);
+      kn::pack_record(r, ip + t * ni, fp + t * nf, lean);
     }
   }
   return {ints, floats};

@@ -17,10 +17,10 @@ namespace kn = kernels;
 
 PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
                         const std::vector<at::Tensor>* snapshots,
-                        const std::vector<char>* no_hash) {
+                        const std::vector<char>* modes) {
   const at::Device device = tensors.at(0).device();
   const c10::cuda::CUDAGuard guard(device);
-  const Described w = describe(tensors, snapshots, no_hash);
+  const Described w = describe(tensors, snapshots, modes);
   const bool with_update = snapshots != nullptr;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t num_chunks = w.chunk_begin[n];

@@ -21,20 +21,20 @@ struct Described {
 void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn);
 // `snapshots` (optional, one per tensor, undefined where none): contiguous tensors of the same
 // dtype and numel that receive the update statistics pass (Note [Update]) and are overwritten.
-// `no_hash` (optional, one per tensor): nonzero skips the fingerprint of that tensor (its hash
-// column is then meaningless).
+// `modes` (optional, one kernels::PassMode per tensor, kModeFull where absent): what the pass
+// computes for that tensor (Note [Lean rows]).
 Described describe(const std::vector<at::Tensor>& tensors,
                    const std::vector<at::Tensor>* snapshots = nullptr,
-                   const std::vector<char>* no_hash = nullptr);
+                   const std::vector<char>* modes = nullptr);
 
 // One pass over tensors of one device. With snapshots the packed rows have the update columns
 // (kIntFieldsUpdate / kFloatFieldsUpdate).
 PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
                        const std::vector<at::Tensor>* snapshots = nullptr,
-                       const std::vector<char>* no_hash = nullptr);
+                       const std::vector<char>* modes = nullptr);
 PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
                         const std::vector<at::Tensor>* snapshots = nullptr,
-                        const std::vector<char>* no_hash = nullptr);  // stats_cuda.cpp
+                        const std::vector<char>* modes = nullptr);  // stats_cuda.cpp
 PackedStats packed_meta(const std::vector<at::Tensor>& tensors);
 
 // Packed results on their way to the host: for CUDA, an asynchronous copy into pinned memory and

@@ -80,7 +80,16 @@ __device__ void chunk_update(const TensorDesc& t, int64_t start, int64_t count, 
   }
 }
 
-template <typename T, bool kHash>
+template <typename T, bool kHash, bool kLean>
+__device__ __forceinline__ void add(StatsRecord& r, T v, int64_t index) {
+  if constexpr (kLean) {
+    accumulate_lean<T>(r, v);
+  } else {
+    accumulate<T, kHash>(r, v, index);
+  }
+}
+
+template <typename T, bool kHash, bool kLean>
 __device__ void chunk_stats_impl(const TensorDesc& t, int64_t start, int64_t count,
                                  StatsRecord& r) {
   const int tid = threadIdx.x;
@@ -98,15 +107,15 @@ __device__ void chunk_stats_impl(const TensorDesc& t, int64_t start, int64_t cou
         T vals[kVec];
         memcpy(vals, &raw, sizeof(raw));
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) accumulate<T, kHash>(r, vals[k], start + v * kVec + k);
+        for (int k = 0; k < kVec; ++k) add<T, kHash, kLean>(r, vals[k], start + v * kVec + k);
       }
     }
     for (int64_t i = vec_elems + tid; i < count; i += kBlockSize) {
-      accumulate<T, kHash>(r, p[i], start + i);
+      add<T, kHash, kLean>(r, p[i], start + i);
     }
   } else {
     for (int64_t i = tid; i < count; i += kBlockSize) {
-      accumulate<T, kHash>(r, load_strided<T>(t, start + i), start + i);
+      add<T, kHash, kLean>(r, load_strided<T>(t, start + i), start + i);
     }
   }
 }
@@ -114,10 +123,12 @@ __device__ void chunk_stats_impl(const TensorDesc& t, int64_t start, int64_t cou
 template <typename T>
 __device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
   if (t.snapshot != nullptr) chunk_update<T>(t, start, count, r);
-  if (t.no_hash) {
-    chunk_stats_impl<T, false>(t, start, count, r);
+  if (t.mode == kModeLean) {
+    chunk_stats_impl<T, false, true>(t, start, count, r);
+  } else if (t.mode == kModeNoHash) {
+    chunk_stats_impl<T, false, false>(t, start, count, r);
   } else {
-    chunk_stats_impl<T, true>(t, start, count, r);
+    chunk_stats_impl<T, true, false>(t, start, count, r);
   }
 }
 
@@ -141,7 +152,8 @@ __global__ void __launch_bounds__(kBlockSize)
 }
 
 __global__ void __launch_bounds__(kBlockSize)
-    finalize_kernel(int64_t num_tensors, const int64_t* __restrict__ chunk_begin,
+    finalize_kernel(const TensorDesc* __restrict__ tensors, int64_t num_tensors,
+                    const int64_t* __restrict__ chunk_begin,
                     const StatsRecord* __restrict__ partials, int64_t* __restrict__ out_int,
                     double* __restrict__ out_float, bool with_update) {
   __shared__ typename BlockReduce::TempStorage temp;
@@ -153,11 +165,12 @@ __global__ void __launch_bounds__(kBlockSize)
     }
     const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
     if (threadIdx.x == 0) {
+      const bool lean = tensors[t].mode == kModeLean;
       if (with_update) {
         pack_record_update(total, out_int + t * kIntFieldsUpdate,
-                           out_float + t * kFloatFieldsUpdate);
+                           out_float + t * kFloatFieldsUpdate, lean);
       } else {
-        pack_record(total, out_int + t * kIntFields, out_float + t * kFloatFields);
+        pack_record(total, out_int + t * kIntFields, out_float + t * kFloatFields, lean);
       }
     }
     __syncthreads();
@@ -178,7 +191,7 @@ void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int
     TRAINSAN_CHECK_LAUNCH();
   }
   const int grid = static_cast<int>(num_tensors < kMaxGrid ? num_tensors : kMaxGrid);
-  finalize_kernel<<<grid, kBlockSize, 0, stream>>>(num_tensors, chunk_begin, partials, out_int,
+  finalize_kernel<<<grid, kBlockSize, 0, stream>>>(tensors, num_tensors, chunk_begin, partials, out_int,
                                                    out_float, with_update);
   TRAINSAN_CHECK_LAUNCH();
 }

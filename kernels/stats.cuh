@@ -251,6 +251,25 @@ TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   r.sumsq += d * d;
 }
 
+// Note [Lean rows]: the counts, sumsq and absmax of accumulate(), nothing else (min/max/sum keep
+// their identities and are written as NaN by pack_record(..., lean = true)).
+template <typename T>
+TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
+  using Tr = ElemTraits<T>;
+  const auto x = Tr::value(v);
+  const ElemClass c = classify<T>(v, x);
+  r.numel += 1;
+  r.nan += c.nan;
+  r.posinf += c.posinf;
+  r.neginf += c.neginf;
+  r.zero += c.zero;
+  r.subnormal += c.subnormal;
+  r.fp16_overflow += c.overflow;
+  const double d = c.finite ? static_cast<double>(x) : 0.0;
+  r.absmax = max_(r.absmax, d < 0 ? -d : d);
+  r.sumsq += d * d;
+}
+
 // Note [Update]
 // With a snapshot s of the previous values: changed counts elements whose bits differ (so a NaN
 // that stays NaN is unchanged, +0 -> -0 is a change); the difference d = x - s is taken in float64
@@ -270,8 +289,9 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
 }
 
 // Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
-// is finite.
-TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats) {
+// is finite; a lean row (Note [Lean rows]) has NaN for min, max and sum and hash 0.
+TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats,
+                             bool lean = false) {
   ints[kColNumel] = r.numel;
   ints[kColNan] = r.nan;
   ints[kColPosinf] = r.posinf;
@@ -287,11 +307,16 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
   floats[kColAbsmax] = finite > 0 ? r.absmax : nan;
   floats[kColSum] = r.sum;
   floats[kColL2] = sqrt(r.sumsq);
+  if (lean) {
+    ints[kColHash] = 0;
+    floats[kColMin] = floats[kColMax] = floats[kColSum] = nan;
+  }
 }
 
 // Packed row with update statistics: pack_record's columns, then the update columns.
-TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats) {
-  pack_record(r, ints, floats);
+TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats,
+                                    bool lean = false) {
+  pack_record(r, ints, floats, lean);
   ints[kColChanged] = r.changed;
   floats[kColUpdateL2] = sqrt(r.dsumsq);
   floats[kColUpdateMax] = r.dmax;

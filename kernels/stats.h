@@ -45,13 +45,26 @@ struct TensorDesc {
   int32_t ndim;               // 1..kMaxDims (a 0-d tensor is described as [1])
   DType dtype;
   int32_t contiguous;  // 1 when element i lives at data + i * elem_size
-  int32_t no_hash;     // 1: skip the fingerprint (its field is then meaningless); saves ~2/3 of the
-                       // CPU pass's arithmetic where nobody reads the hash
+  int32_t mode;        // PassMode: what the pass computes for this tensor (Note [Lean rows])
   // Optional previous-value snapshot: numel elements of the same dtype in logical row-major order.
   // When set, the pass also computes the update statistics against it (Note [Update]) and then
   // overwrites it with the current values. Never aliases `data`.
   void* snapshot;
 };
+
+// Note [Lean rows]
+// ~~~~~~~~~~~~~~~~
+// What the pass computes for one tensor:
+//   kModeFull   every field of the record, the fingerprint included;
+//   kModeNoHash every field but the fingerprint (the hash column is then 0); it costs about two
+//               thirds of the CPU pass's arithmetic where nobody reads it;
+//   kModeLean   the every-step tier of the step pass (Note [Every-step tier] in
+//               host/sanitizer_pass.cpp): the exact counts (numel, nan, ±inf, zero, subnormal,
+//               fp16_overflow), sumsq and absmax; no fingerprint, no min, max or sum — their packed
+//               columns hold NaN (hash 0). sumsq is accumulated in the same order as in the other
+//               modes, so a lean row's l2 and absmax have the same bits as a full row's.
+// A snapshot (update statistics) is honoured in every mode.
+enum PassMode : int32_t { kModeFull = 0, kModeNoHash = 1, kModeLean = 2 };
 
 // The chunk table is `chunk_begin`: num_tensors + 1 ascending offsets, tensor i owning chunks
 // [chunk_begin[i], chunk_begin[i+1]) = ceil(numel_i / kChunkSize) of them.

@@ -121,7 +121,9 @@ enum class BlockKind { kFull, kOrdinary, kOrdinaryNoZero };
 // One read of a block (it stays in L1 for the body): the largest |bits|, the smallest, and the
 // smallest |bits| - 1 (zero wraps to the top, so this is the smallest nonzero |bits|, minus 1).
 template <typename T>
-inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n) {
+inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n,
+                                                           typename ElemTraits<T>::Bits* top =
+                                                               nullptr) {
   using Tr = ElemTraits<T>;
   using Bits = typename Tr::Bits;
   Bits hi = 0, lo = static_cast<Bits>(~Bits{0}), lo_nonzero = static_cast<Bits>(~Bits{0});
@@ -133,6 +135,7 @@ inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n
     lo = a < lo ? a : lo;
     lo_nonzero = a1 < lo_nonzero ? a1 : lo_nonzero;
   }
+  if (top != nullptr) *top = hi;
   if (hi > Ordinary<T>::kMax || lo_nonzero < Tr::kMinNormalBits - 1) return BlockKind::kFull;
   return lo == 0 ? BlockKind::kOrdinary : BlockKind::kOrdinaryNoZero;
 }
@@ -246,6 +249,95 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
   *out = r;
 }
 
+// Lane-parallel form of accumulate_lean<T>() (Note [Lean rows]) over a contiguous run of a floating
+// dtype: the counts, sumsq and absmax only. sumsq is accumulated per lane in the same order as in
+// chunk_body (and merged in the same lane order), so it has the same bits; absmax is the largest
+// finite |x|, taken on the bits (exact), which is chunk_body's max(-min, max).
+template <typename T>
+inline __attribute__((always_inline)) void lean_body(const T* p, int64_t base, int64_t n,
+                                                     StatsRecord* out) {
+  using Tr = ElemTraits<T>;
+  if constexpr (!Tr::kFloating) {
+    // Integer tensors: the statistics without the fingerprint (min, max and sum are packed as NaN).
+    chunk_body<T, false>(p, base, n, out);
+    return;
+  } else {
+  using Acc = typename Tr::Acc;
+  using Bits = typename Tr::Bits;
+  uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
+           c_sub[kLanes] = {}, c_ovf[kLanes] = {};
+  double ss[kLanes] = {};
+  Bits amax[kLanes] = {};
+  Bits block_max = 0;
+  const int64_t n_vec = n - n % kLanes;
+  for (int64_t b = 0; b < n_vec; b += kBlock) {
+    const int64_t b_end = std::min(b + kBlock, n_vec);
+    Bits hi = 0;
+    const BlockKind kind = scan_block<T>(p + b, b_end - b, &hi);
+    if (kind != BlockKind::kFull) {
+      // Note [Ordinary elements]: every element finite, so |x| max is the block's largest bits.
+      block_max = hi > block_max ? hi : block_max;
+      const bool count_zero = kind == BlockKind::kOrdinary;
+      auto body = [&](auto with_zero) {
+        for (int64_t i = b; i < b_end; i += kLanes) {
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) {
+            const T v = load(p, i + l);
+            if constexpr (decltype(with_zero)::value) {
+              c_zero[l] += (Tr::bits(v) & Tr::kAbsMask) == 0;
+            }
+            const double d = static_cast<double>(Tr::value(v));
+            ss[l] += d * d;
+          }
+        }
+      };
+      if (count_zero) {
+        body(std::true_type{});
+      } else {
+        body(std::false_type{});
+      }
+      continue;
+    }
+    for (int64_t i = b; i < b_end; i += kLanes) {
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const T v = load(p, i + l);
+        const Acc x = Tr::value(v);
+        const ElemClass c = classify<T>(v, x);
+        c_nan[l] += c.nan;
+        c_pinf[l] += c.posinf;
+        c_ninf[l] += c.neginf;
+        c_zero[l] += c.zero;
+        c_sub[l] += c.subnormal;
+        c_ovf[l] += c.overflow;
+        const Bits a = c.finite ? static_cast<Bits>(Tr::bits(v) & Tr::kAbsMask) : Bits{0};
+        amax[l] = a > amax[l] ? a : amax[l];
+        const double d = static_cast<double>(c.finite ? x : Acc(0));
+        ss[l] += d * d;
+      }
+    }
+  }
+  StatsRecord r;
+  init_record(r);
+  for (int l = 0; l < kLanes; ++l) {
+    r.nan += c_nan[l];
+    r.posinf += c_pinf[l];
+    r.neginf += c_ninf[l];
+    r.zero += c_zero[l];
+    r.subnormal += c_sub[l];
+    r.fp16_overflow += c_ovf[l];
+    r.sumsq += ss[l];
+    block_max = amax[l] > block_max ? amax[l] : block_max;
+  }
+  T top;
+  std::memcpy(&top, &block_max, sizeof(top));
+  r.absmax = static_cast<double>(Tr::value(top));
+  r.numel = n_vec;
+  for (int64_t i = n_vec; i < n; ++i) accumulate_lean<T>(r, p[i]);
+  *out = r;
+  }
+}
+
 // Lane-parallel form of accumulate_update<T>() (Note [Update]) over a contiguous run, merged into
 // *out in a fixed lane order; then the snapshot holds the current values.
 template <typename T>
@@ -288,13 +380,17 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
 // The entry points of the inner loops, one per element type, each compiled per target
 // (TRAINSAN_CLONES): GCC does not clone templates, so the templates are wrapped in plain
 // overloads. The integer updates are not cloned (update_chunk's template below).
-#define TRAINSAN_CLONED_CHUNK(T)                                                            \
-  TRAINSAN_CLONES void chunk(const T* p, int64_t b, int64_t n, StatsRecord* o, bool hash) { \
-    if (hash) {                                                                             \
-      chunk_body<T, true>(p, b, n, o);                                                      \
-    } else {                                                                                \
-      chunk_body<T, false>(p, b, n, o);                                                     \
-    }                                                                                       \
+#define TRAINSAN_CLONED_CHUNK(T)                                                              \
+  TRAINSAN_CLONES void chunk(const T* p, int64_t b, int64_t n, StatsRecord* o, int32_t mode) { \
+    if (mode == kModeLean) {                                                                  \
+      lean_body<T>(p, b, n, o);                                                               \
+      return;                                                                                 \
+    }                                                                                         \
+    if (mode == kModeFull) {                                                                  \
+      chunk_body<T, true>(p, b, n, o);                                                        \
+    } else {                                                                                  \
+      chunk_body<T, false>(p, b, n, o);                                                       \
+    }                                                                                         \
   }
 #define TRAINSAN_CLONED_UPDATE(T)                                                  \
   TRAINSAN_CLONES void update_chunk(const T* p, T* s, int64_t n, StatsRecord* o) { \
@@ -389,9 +485,8 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
     }
     p = dst;
   }
-  const bool hash = t.no_hash == 0;
   TRAINSAN_DISPATCH_DTYPE(t.dtype, T,
-                          chunk(reinterpret_cast<const T*>(p), start, count, out, hash));
+                          chunk(reinterpret_cast<const T*>(p), start, count, out, t.mode));
   if (t.snapshot == nullptr) return;
   char* snap = static_cast<char*>(t.snapshot) + start * es;
   TRAINSAN_DISPATCH_DTYPE(
