@@ -1,5 +1,5 @@
 // CUDA path of the statistics pass: descriptors and chunk table go to the device in one
-// asynchronous copy from pinned memory, then the two kernels of kernels/stats.cu run on the
+// asynchronous copy from pinned memory, then the one kernel of kernels/stats.cu runs on the
 // current stream. Nothing here synchronises with the device.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -7,6 +7,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "stats.h"
 #include "stats_internal.h"
@@ -15,9 +18,41 @@ namespace trainsan::host {
 
 namespace kn = kernels;
 
+namespace {
+
+// The ticket counters of the single-launch pass (Note [Last block] in kernels/stats.cu): at least
+// `n` int32 zeros in device memory, for a launch on `stream`. Outside graph capture, one buffer
+// per (device, stream), kept for the life of the process: the kernel leaves every counter at 0,
+// so the next launch on the same stream (which runs after this one) finds them zero; a larger
+// pass reallocates it and zeroes it with cudaMemsetAsync on the stream (no kernel launch). While
+// the stream is being captured into a CUDA graph the counters are a fresh buffer of the pass
+// instead, zeroed by a memset node of the graph: each replay starts from zeros whatever stream
+// it runs on, and no persistent buffer is allocated from the graph's private pool.
+at::Tensor ticket_counters(int64_t n, const c10::cuda::CUDAStream& stream) {
+  const auto zeroed = [&](int64_t size) {
+    at::Tensor t = at::empty({size}, at::TensorOptions().device(stream.device()).dtype(at::kInt));
+    C10_CUDA_CHECK(cudaMemsetAsync(t.mutable_data_ptr<int32_t>(), 0,
+                                   static_cast<size_t>(size) * sizeof(int32_t), stream.stream()));
+    return t;
+  };
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return zeroed(n);
+  static std::mutex mutex;
+  // Never destroyed: the buffers must not be freed after the CUDA runtime has shut down.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buf = (*buffers)[{stream.device_index(), stream.stream()}];
+  if (!buf.defined() || buf.numel() < n) {
+    buf = zeroed(std::max<int64_t>(n, 1024));
+  }
+  return buf;  // a reference: stays alive for this pass even if another one regrows the buffer
+}
+
+}  // namespace
+
 PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
-                        const std::vector<at::Tensor>* snapshots,
-                        const std::vector<char>* modes) {
+                        const std::vector<at::Tensor>* snapshots, const std::vector<char>* modes) {
   const at::Device device = tensors.at(0).device();
   const c10::cuda::CUDAGuard guard(device);
   const Described w = describe(tensors, snapshots, modes);
@@ -45,15 +80,17 @@ PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
   at::Tensor floats = at::empty({n, with_update ? kn::kFloatFieldsUpdate : kn::kFloatFields},
                                 opts.dtype(at::kDouble));
 
+  const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
+  at::Tensor tickets = ticket_counters(n, stream);
+
   auto* dp = dev_buf.mutable_data_ptr<uint8_t>();
   kn::cuda_tensor_stats(reinterpret_cast<const kn::TensorDesc*>(dp), n,
                         reinterpret_cast<const int64_t*>(dp + desc_bytes), num_chunks,
                         reinterpret_cast<kn::StatsRecord*>(partials.mutable_data_ptr<uint8_t>()),
-                        ints.mutable_data_ptr<int64_t>(), floats.mutable_data_ptr<double>(),
-                        with_update, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+                        tickets.mutable_data_ptr<int32_t>(), ints.mutable_data_ptr<int64_t>(),
+                        floats.mutable_data_ptr<double>(), with_update, stream.stream());
   // Keep the inputs' memory from being reused by the caching allocator on another stream before
-  // the kernels have read it.
-  const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
+  // the kernel has read it.
   for (const at::Tensor& t : tensors) {
     if (t.numel() > 0) t.record_stream(stream);
   }

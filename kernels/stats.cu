@@ -1,10 +1,13 @@
-// CUDA backend of the fused statistics pass: two launches per call, however many tensors.
-//   1. chunk_stats_kernel: one block per chunk (Note [Chunking]) reduces its elements into one
-//      StatsRecord in the chunk's own slot of `partials`.
-//   2. finalize_kernel: one block per tensor combines that tensor's partials and writes the packed
-//      row. Both reductions use cub::BlockReduce's default (deterministic) algorithm over a fixed
-//      block size, and each thread walks a fixed set of elements in a fixed order, so the result
-//      has the same bits on every run (Note [Determinism]).
+// CUDA backend of the fused statistics pass: one launch per call, however many tensors.
+// stats_kernel runs one block per chunk (Note [Chunking]), grid-stride when there are more chunks
+// than blocks:
+//   1. the block reduces its chunk's elements into one StatsRecord in the chunk's own slot of
+//      `partials`, then takes a ticket from its tensor's counter (Note [Last block]);
+//   2. the block that takes a tensor's last ticket combines that tensor's partials in chunk order
+//      and writes the packed row; empty tensors (no chunk) get their row from the grid as a whole.
+// Both reductions use cub::BlockReduce's default (deterministic) algorithm over a fixed block
+// size, and each thread walks a fixed set of elements (then partials) in a fixed order, so the
+// result has the same bits on every run, whichever block finishes last (Note [Determinism]).
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
@@ -21,7 +24,23 @@ namespace trainsan::kernels {
 // across runs, GPUs and the CPU backend. sum and sumsq are float64 sums whose rounding depends on
 // the order of additions: fixed here by the block size, the thread-to-element mapping and the
 // CUB block reduction, so they are bitwise equal run to run on one GPU and within float64
-// rounding of the CPU backend.
+// rounding of the CPU backend. Which block combines a tensor's partials (the last to finish one
+// of its chunks, Note [Last block]) varies from run to run, but not what it computes: thread i
+// combines partials i, i + kBlockSize, ... of the tensor in chunk order, then the block reduction
+// as in the chunk step, exactly as the separate finalize launch of earlier versions did, so the
+// packed rows have the same bits as with two launches.
+//
+// Note [Last block]
+// ~~~~~~~~~~~~~~~~~
+// `tickets` holds one int32 counter per tensor, 0 at launch. A block that has written a chunk's
+// partial makes it visible device-wide (__threadfence) and then takes a ticket (atomicAdd on the
+// tensor's counter); the block that draws ticket (chunks of the tensor - 1) is the last one, sees
+// every partial of the tensor (they were fenced before their tickets), reads them from L2
+// (__ldcg: L1 is not coherent across blocks), writes the packed row and sets the counter back to
+// 0. So after every launch all counters are 0 again and the next launch on the same stream (which
+// runs after it) can use them: the host keeps one such buffer per (device, stream), zeroed once
+// when it is allocated (host/stats_cuda.cpp). No block ever waits on another, so the pattern
+// cannot deadlock whatever the number of resident blocks.
 
 namespace {
 
@@ -132,67 +151,93 @@ __device__ void chunk_stats(const TensorDesc& t, int64_t start, int64_t count, S
   }
 }
 
+// One record of `partials` written by another block: read through L2 (Note [Last block]).
+__device__ __forceinline__ StatsRecord load_partial(const StatsRecord* p) {
+  StatsRecord r;
+  const long long* src = reinterpret_cast<const long long*>(p);
+  long long* dst = reinterpret_cast<long long*>(&r);
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(StatsRecord) / 8); ++k) dst[k] = __ldcg(src + k);
+  return r;
+}
+
+__device__ __forceinline__ void pack_row(const StatsRecord& r, const TensorDesc& t, int64_t row,
+                                         int64_t* out_int, double* out_float, bool with_update) {
+  const bool lean = t.mode == kModeLean;
+  if (with_update) {
+    pack_record_update(r, out_int + row * kIntFieldsUpdate, out_float + row * kFloatFieldsUpdate,
+                       lean);
+  } else {
+    pack_record(r, out_int + row * kIntFields, out_float + row * kFloatFields, lean);
+  }
+}
+
 __global__ void __launch_bounds__(kBlockSize)
-    chunk_stats_kernel(const TensorDesc* __restrict__ tensors, int64_t num_tensors,
-                       const int64_t* __restrict__ chunk_begin, int64_t num_chunks,
-                       StatsRecord* __restrict__ partials) {
+    stats_kernel(const TensorDesc* __restrict__ tensors, int64_t num_tensors,
+                 const int64_t* __restrict__ chunk_begin, int64_t num_chunks, StatsRecord* partials,
+                 int32_t* tickets, int64_t* __restrict__ out_int, double* __restrict__ out_float,
+                 bool with_update) {
   __shared__ typename BlockReduce::TempStorage temp;
+  __shared__ int last;  // this block drew the last ticket of the tensor of its current chunk
+
+  // Empty tensors own no chunk, so no block finishes them: the grid packs their rows (the
+  // identity record, which is what combining no partial gives).
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(kBlockSize) + threadIdx.x; t < num_tensors;
+       t += static_cast<int64_t>(gridDim.x) * kBlockSize) {
+    if (chunk_begin[t] == chunk_begin[t + 1]) {
+      StatsRecord r;
+      init_record(r);
+      pack_row(r, tensors[t], t, out_int, out_float, with_update);
+    }
+  }
+
   for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
     const int64_t ti = find_tensor(chunk_begin, num_tensors, chunk);
     const TensorDesc& t = tensors[ti];
-    const int64_t start = (chunk - chunk_begin[ti]) * kChunkSize;
+    const int64_t first = chunk_begin[ti];
+    const int64_t end = chunk_begin[ti + 1];
+    const int64_t start = (chunk - first) * kChunkSize;
     const int64_t count = min(kChunkSize, t.numel - start);
     StatsRecord r;
     init_record(r);
     TRAINSAN_DISPATCH_DTYPE_DEVICE(t.dtype, T, chunk_stats<T>(t, start, count, r));
     const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
-    if (threadIdx.x == 0) partials[chunk] = total;
-    __syncthreads();  // temp is reused by the next chunk of this block
-  }
-}
-
-__global__ void __launch_bounds__(kBlockSize)
-    finalize_kernel(const TensorDesc* __restrict__ tensors, int64_t num_tensors,
-                    const int64_t* __restrict__ chunk_begin,
-                    const StatsRecord* __restrict__ partials, int64_t* __restrict__ out_int,
-                    double* __restrict__ out_float, bool with_update) {
-  __shared__ typename BlockReduce::TempStorage temp;
-  for (int64_t t = blockIdx.x; t < num_tensors; t += gridDim.x) {
-    StatsRecord r;
-    init_record(r);
-    for (int64_t c = chunk_begin[t] + threadIdx.x; c < chunk_begin[t + 1]; c += kBlockSize) {
-      combine(r, partials[c]);
-    }
-    const StatsRecord total = BlockReduce(temp).Reduce(r, CombineOp());
     if (threadIdx.x == 0) {
-      const bool lean = tensors[t].mode == kModeLean;
-      if (with_update) {
-        pack_record_update(total, out_int + t * kIntFieldsUpdate,
-                           out_float + t * kFloatFieldsUpdate, lean);
-      } else {
-        pack_record(total, out_int + t * kIntFields, out_float + t * kFloatFields, lean);
+      partials[chunk] = total;
+      __threadfence();  // the partial is visible device-wide before the ticket is taken
+      const int ticket = atomicAdd(tickets + ti, 1);
+      last = ticket == static_cast<int>(end - first - 1);
+    }
+    __syncthreads();  // `last` is set, and `temp` may be reused
+    if (last) {
+      __threadfence();  // pairs with the other blocks' fences before their tickets
+      StatsRecord acc;
+      init_record(acc);
+      for (int64_t c = first + threadIdx.x; c < end; c += kBlockSize) {
+        combine(acc, load_partial(partials + c));
+      }
+      const StatsRecord tensor_total = BlockReduce(temp).Reduce(acc, CombineOp());
+      if (threadIdx.x == 0) {
+        pack_row(tensor_total, t, ti, out_int, out_float, with_update);
+        tickets[ti] = 0;  // ready for the next launch on this stream
       }
     }
-    __syncthreads();
+    __syncthreads();  // temp and `last` are reused by the next chunk of this block
   }
 }
 
 }  // namespace
 
 void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
-                       int64_t num_chunks, StatsRecord* partials, int64_t* out_int,
-                       double* out_float, bool with_update, CUstream_st* stream) {
+                       int64_t num_chunks, StatsRecord* partials, int32_t* tickets,
+                       int64_t* out_int, double* out_float, bool with_update, CUstream_st* stream) {
   TRAINSAN_NVTX_RANGE("trainsan/tensor_stats");
   if (num_tensors == 0) return;
-  if (num_chunks > 0) {
-    const int grid = static_cast<int>(num_chunks < kMaxGrid ? num_chunks : kMaxGrid);
-    chunk_stats_kernel<<<grid, kBlockSize, 0, stream>>>(tensors, num_tensors, chunk_begin,
-                                                        num_chunks, partials);
-    TRAINSAN_CHECK_LAUNCH();
-  }
-  const int grid = static_cast<int>(num_tensors < kMaxGrid ? num_tensors : kMaxGrid);
-  finalize_kernel<<<grid, kBlockSize, 0, stream>>>(tensors, num_tensors, chunk_begin, partials, out_int,
-                                                   out_float, with_update);
+  // At least one block, for a list of empty tensors only.
+  const int64_t blocks = num_chunks > 0 ? num_chunks : 1;
+  const int grid = static_cast<int>(blocks < kMaxGrid ? blocks : kMaxGrid);
+  stats_kernel<<<grid, kBlockSize, 0, stream>>>(tensors, num_tensors, chunk_begin, num_chunks,
+                                                partials, tickets, out_int, out_float, with_update);
   TRAINSAN_CHECK_LAUNCH();
 }
 

@@ -144,14 +144,16 @@ void combine_records(const StatsRecord* parts, int64_t n, StatsRecord* out);
 
 // CUDA backend (defined only when built with CUDA). All pointers are device pointers:
 // `tensors` and `chunk_begin` (num_tensors + 1 entries) describe the work, `partials` has room
-// for num_chunks records, and the packed results go to out_int [num_tensors x kIntFields] and
-// out_float [num_tensors x kFloatFields]. Two kernel launches on `stream` however many tensors,
-// no host synchronisation, no allocation: capturable in a CUDA graph.
+// for num_chunks records, `tickets` holds num_tensors int32 counters that are 0 at launch and 0
+// again when the launch has run (Note [Last block] in stats.cu: reusable by the next launch on
+// the same stream), and the packed results go to out_int [num_tensors x kIntFields] and
+// out_float [num_tensors x kFloatFields]. One kernel launch on `stream` however many tensors, no
+// host synchronisation, no allocation: capturable in a CUDA graph (with tickets zeroed in it).
 // With `with_update`, out_int/out_float have kIntFieldsUpdate/kFloatFieldsUpdate columns and
 // tensors with a snapshot get update statistics (and their snapshot rewritten).
 void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
-                       int64_t num_chunks, StatsRecord* partials, int64_t* out_int,
-                       double* out_float, bool with_update, CUstream_st* stream);
+                       int64_t num_chunks, StatsRecord* partials, int32_t* tickets,
+                       int64_t* out_int, double* out_float, bool with_update, CUstream_st* stream);
 
 bool cuda_compiled();
 
