@@ -98,6 +98,22 @@ PackedStats packed_cuda(const std::vector<at::Tensor>& tensors,
   return {ints, floats};
 }
 
+void stop_if_nonfinite(const PackedStats& packed) {
+  if (!packed.ints.is_cuda()) return;
+  const at::Tensor& ints = packed.ints;
+  TORCH_CHECK_VALUE(ints.dim() == 2 && ints.size(1) > kn::kColNeginf &&
+                        ints.scalar_type() == at::kLong && ints.stride(1) == 1,
+                    "stop_if_nonfinite: expected packed int rows [N, ", kn::kIntFields,
+                    " or more] of int64 with contiguous rows, got ", ints.sizes(), " ",
+                    ints.scalar_type(), " with strides ", ints.strides());
+  const c10::cuda::CUDAGuard guard(ints.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream(ints.device().index());
+  kn::cuda_stop_if_nonfinite(ints.const_data_ptr<int64_t>(), ints.size(0), ints.stride(0),
+                             stream.stream());
+  // The kernel reads `ints` on this stream, which may not be the one it was made on.
+  ints.record_stream(stream);
+}
+
 HostCopy start_host_copy(const PackedStats& packed) {
   if (!packed.ints.is_cuda()) return {packed, nullptr};
   const c10::cuda::CUDAGuard guard(packed.ints.device());

@@ -47,4 +47,10 @@ HostCopy start_host_copy(const PackedStats& packed);
 bool host_copy_ready(const HostCopy& copy);  // never blocks
 void wait_host_copy(const HostCopy& copy);   // blocks until the copy has landed
 
+// Device-side stop (Note [Device stop] in kernels/stats.cu): for CUDA rows, one launch on the
+// current stream that stops the CUDA context (printing the counts) when the nan, posinf and
+// neginf columns of `packed.ints` (the rows passed, e.g. only those of the gradients) are not all
+// 0; never synchronises. A no-op for CPU rows. `packed.floats` is not read.
+void stop_if_nonfinite(const PackedStats& packed);
+
 }  // namespace trainsan::host

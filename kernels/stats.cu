@@ -8,6 +8,7 @@
 // Both reductions use cub::BlockReduce's default (deterministic) algorithm over a fixed block
 // size, and each thread walks a fixed set of elements (then partials) in a fixed order, so the
 // result has the same bits on every run, whichever block finishes last (Note [Determinism]).
+// cuda_stop_if_nonfinite is the device-side stop (Note [Device stop]): one one-block launch.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
@@ -226,6 +227,52 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
+// Note [Device stop]
+// ~~~~~~~~~~~~~~~~~~
+// The stop before the optimizer step for jobs that must not apply a non-finite update, without a
+// host synchronisation (the idea of torch._assert_async): one block sums the nan, posinf and
+// neginf columns of the packed rows already on the device and, when the sum is not 0, prints
+// the counts and fails a device-side assertion, which traps. The kernel is enqueued before the
+// optimizer's kernels on the same stream, so they never run: the CUDA context is unusable from
+// then on and the next CUDA call on the host (typically the next step's) raises "device-side
+// assert triggered". The process cannot go on training; it is meant to stop with the non-finite
+// update never applied (what survives is the last checkpoint).
+struct NonFinite {
+  long long nan, posinf, neginf;
+};
+
+struct NonFiniteSum {
+  __device__ __forceinline__ NonFinite operator()(const NonFinite& a, const NonFinite& b) const {
+    return {a.nan + b.nan, a.posinf + b.posinf, a.neginf + b.neginf};
+  }
+};
+
+__global__ void __launch_bounds__(kBlockSize)
+    stop_if_nonfinite_kernel(const int64_t* __restrict__ ints, int64_t rows, int64_t row_stride) {
+  using Reduce = cub::BlockReduce<NonFinite, kBlockSize>;
+  __shared__ typename Reduce::TempStorage temp;
+  NonFinite mine{0, 0, 0};
+  for (int64_t r = threadIdx.x; r < rows; r += kBlockSize) {
+    const int64_t* row = ints + r * row_stride;
+    mine.nan += row[kColNan];
+    mine.posinf += row[kColPosinf];
+    mine.neginf += row[kColNeginf];
+  }
+  const NonFinite total = Reduce(temp).Reduce(mine, NonFiniteSum());
+  if (threadIdx.x == 0 && total.nan + total.posinf + total.neginf != 0) {
+    printf(
+        "trainsan: device_stop: %lld non-finite gradient elements (%lld NaN, %lld +Inf, %lld "
+        "-Inf); the optimizer step was not applied. The CUDA context is stopped on purpose "
+        "(device_stop=True), so this process cannot continue: resume from the last checkpoint, "
+        "and to find the cause rerun without device_stop (TrainSan then reports the non-finite "
+        "gradients one step late instead of stopping).\n",
+        total.nan + total.posinf + total.neginf, total.nan, total.posinf, total.neginf);
+    __assert_fail("trainsan device_stop: non-finite gradients, optimizer step not applied",
+                  __FILE__, __LINE__, __func__);
+    __trap();  // not reached: the failed assertion traps
+  }
+}
+
 }  // namespace
 
 void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int64_t* chunk_begin,
@@ -238,6 +285,14 @@ void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int
   const int grid = static_cast<int>(blocks < kMaxGrid ? blocks : kMaxGrid);
   stats_kernel<<<grid, kBlockSize, 0, stream>>>(tensors, num_tensors, chunk_begin, num_chunks,
                                                 partials, tickets, out_int, out_float, with_update);
+  TRAINSAN_CHECK_LAUNCH();
+}
+
+void cuda_stop_if_nonfinite(const int64_t* ints, int64_t rows, int64_t row_stride,
+                            CUstream_st* stream) {
+  TRAINSAN_NVTX_RANGE("trainsan/stop_if_nonfinite");
+  if (rows == 0) return;
+  stop_if_nonfinite_kernel<<<1, kBlockSize, 0, stream>>>(ints, rows, row_stride);
   TRAINSAN_CHECK_LAUNCH();
 }
 

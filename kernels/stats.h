@@ -155,6 +155,13 @@ void cuda_tensor_stats(const TensorDesc* tensors, int64_t num_tensors, const int
                        int64_t num_chunks, StatsRecord* partials, int32_t* tickets,
                        int64_t* out_int, double* out_float, bool with_update, CUstream_st* stream);
 
+// Device-side stop (Note [Device stop] in stats.cu): one launch on `stream` that sums the nan,
+// posinf and neginf columns of `rows` packed int rows (device memory, row_stride int64 apart:
+// kIntFields or kIntFieldsUpdate) and, when the sum is not 0, prints it and traps, which stops
+// the CUDA context before anything enqueued after it runs. Never synchronises.
+void cuda_stop_if_nonfinite(const int64_t* ints, int64_t rows, int64_t row_stride,
+                            CUstream_st* stream);
+
 bool cuda_compiled();
 
 }  // namespace trainsan::kernels
