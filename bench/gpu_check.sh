@@ -7,6 +7,9 @@
 #   configure  plain CMake into $BUILD_DIR (default build/gpu), Release, CUDA on
 #   build      the op library (and the test programs when GoogleTest is there)
 #   ctest-gpu  the GPU-labelled C++ tests (ctest -L gpu)
+#   dev-stop   bench/gpu_step_tier.py --phase stop (device_stop=True: a NaN gradient stops it)
+#   step-tier  bench/gpu_step_tier.py --phase tier (the every-step tier: step-time ratio, launches
+#              and syncs per step, the pass against torch._foreach_norm)
 #   pytest     tests/python against the built library (TRAINSAN_LIBRARY, PYTHONPATH=bindings)
 #   stacks-gpu bench/gpu_stacks.py (DDP over single-rank NCCL, FSDP2 world size 1, inductor)
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
@@ -30,7 +33,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -172,6 +175,29 @@ else
     ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure --timeout 100
 fi
 
+# --- the CUDA every-step tier (issue 23) ---------------------------------------------------------
+# Before pytest, so that a short budget measures them first.
+if ((!BUILT)); then
+  skip_phase dev-stop "build failed"
+else
+  # A child trains with device_stop=True and a NaN gradient at step 5: it must stop (non-zero
+  # exit, the trainsan device_stop message) before that step is applied.
+  run_phase dev-stop 60 "$(gpu_note "device_stop=True, NaN gradient at step 5")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/gpu_step_tier.py" --phase stop
+fi
+
+if ((!BUILT)); then
+  skip_phase step-tier "build failed"
+else
+  # Plain vs trainsan.attach at the defaults on a 26M MLP and a 21M transformer (bf16 autocast):
+  # step-time ratio, kernels and blocking syncs per steady step (target: 1 trainsan kernel, 0
+  # syncs), the pass against torch._foreach_norm over the same gradients.
+  run_phase step-tier 150 "$(gpu_note "MLP + transformer, bf16, plain vs attach defaults")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/gpu_step_tier.py" --phase tier --json "$LOG_DIR/gpu_step_tier.json"
+fi
+
 if ((!BUILT)); then
   skip_phase pytest "build failed"
 else
@@ -244,6 +270,16 @@ if [[ -s "$LOG_DIR/gpu-bench.log" ]]; then
   echo
   echo "gpu_bench:"
   grep -E '^(gpu_bench|[a-z0-9]+: |  )' "$LOG_DIR/gpu-bench.log"
+fi
+if [[ -s "$LOG_DIR/step-tier.log" ]]; then
+  echo
+  echo "step tier:"
+  grep -E '^(step tier|model|mlp|transformer|  \+trainsan|target)' "$LOG_DIR/step-tier.log"
+fi
+if [[ -s "$LOG_DIR/dev-stop.log" ]]; then
+  echo
+  echo "device stop:"
+  grep -E '^(device stop|  [a-zA-Z])' "$LOG_DIR/dev-stop.log"
 fi
 if [[ -s "$LOG_DIR/gpt2-bench.log" ]]; then
   echo
