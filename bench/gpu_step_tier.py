@@ -26,6 +26,7 @@ trainsan.attach has no device_stop option.
     TRAINSAN_LIBRARY=build/gpu/bindings/libtrainsan_ops.so PYTHONPATH=bindings \\
         python3 bench/gpu_step_tier.py [--phase all|tier|stop] [--rounds 5] [--steps 10]
     python3 bench/gpu_step_tier.py --dry-run     # print the phases; run nothing
+    python3 bench/gpu_step_tier.py --device cpu --tiny --phase tier   # smoke test of the script
 
 No CUDA device: prints "skipped: no CUDA device" and exits 0. Exit status: 0 when every phase
 that ran met its check (the stop phase: the child stopped as it must), 1 otherwise; the timings
@@ -41,6 +42,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 
 import torch
@@ -88,25 +90,30 @@ class Transformer(torch.nn.Module):
         return self.head(self.norm(h))
 
 
-def make_job(kind: str, dev: torch.device, dtype: str):
-    """(model, optimizer, step(i)) of one model kind."""
+def make_job(kind: str, dev: torch.device, dtype: str, tiny: bool = False):
+    """(model, optimizer, step(i)) of one model kind (--tiny: small sizes, for a smoke test)."""
     torch.manual_seed(0)
+    width, batch = (64, 8) if tiny else (2560, 256)
+    cfg = dict(vocab=512, d=32, layers=2, heads=4, seq=16) if tiny else dict(
+        vocab=8192, d=512, layers=4, heads=8, seq=256)
     if kind == "mlp":
-        model = MLP().to(dev)
-        data = [(torch.randn(256, 2560, device=dev), torch.randn(256, 2560, device=dev))
+        model = MLP(width).to(dev)
+        data = [(torch.randn(batch, width, device=dev), torch.randn(batch, width, device=dev))
                 for _ in range(4)]
 
         def loss_of(i):
             x, y = data[i % len(data)]
             return F.mse_loss(model(x).float(), y)
     else:
-        model = Transformer().to(dev)
-        data = [torch.randint(0, 8192, (16, 257), device=dev) for _ in range(4)]
+        model = Transformer(**cfg).to(dev)
+        vocab = cfg["vocab"]
+        data = [torch.randint(0, vocab, (4 if tiny else 16, cfg["seq"] + 1), device=dev)
+                for _ in range(4)]
 
         def loss_of(i):
             b = data[i % len(data)]
             logits = model(b[:, :-1])
-            return F.cross_entropy(logits.float().reshape(-1, 8192), b[:, 1:].reshape(-1))
+            return F.cross_entropy(logits.float().reshape(-1, vocab), b[:, 1:].reshape(-1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def step(i):
@@ -119,36 +126,57 @@ def make_job(kind: str, dev: torch.device, dtype: str):
     return model, opt, step
 
 
-def timed(step, steps: int, i0: int) -> float:
-    """ms per step over `steps` steps, CUDA events."""
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def elapsed_ms(dev: torch.device, fn) -> float:
+    """Time of fn(): CUDA events on a GPU, the wall clock otherwise."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for i in range(steps):
-        step(i0 + i)
+    fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end)
 
 
-def profile_steps(step, steps: int, i0: int) -> dict:
+def timed(dev: torch.device, step, steps: int, i0: int) -> float:
+    """ms per step over `steps` steps."""
+
+    def run():
+        for i in range(steps):
+            step(i0 + i)
+
+    return elapsed_ms(dev, run) / steps
+
+
+def profile_steps(dev: torch.device, step, steps: int, i0: int) -> dict:
     """Per-step counts over `steps` steady steps: kernels, trainsan kernels, copies, memsets,
     synchronising API calls (profiler) and synchronising torch calls (sync debug mode)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    cuda = dev.type == "cuda"
+    debug_mode = torch.cuda.set_sync_debug_mode if cuda else (lambda mode: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(dev)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        debug_mode("warn")
         try:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 for i in range(steps):
                     step(i0 + i)
                 # the end of the window: not a step's sync, so outside the debug mode's count
-                torch.cuda.set_sync_debug_mode("default")
-                torch.cuda.synchronize()
+                debug_mode("default")
+                _sync(dev)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            debug_mode("default")
     sync_warnings = [w for w in caught if "synchroniz" in str(w.message)]
     kernels = trainsan_kernels = copies = memsets = sync_calls = 0
     sync_names: dict = {}
@@ -179,7 +207,7 @@ def profile_steps(step, steps: int, i0: int) -> dict:
             "sync_debug_examples": sorted({str(w.message)[:120] for w in sync_warnings})[:3]}
 
 
-def pass_vs_foreach_norm(model, step, iters: int) -> dict:
+def pass_vs_foreach_norm(dev: torch.device, model, step, iters: int) -> dict:
     """The statistics pass over the gradients (results left on the device) against
     torch._foreach_norm over the same gradients: CUDA events, median of `iters` runs each."""
     step(0)  # fresh gradients (no sanitizer attached)
@@ -189,15 +217,7 @@ def pass_vs_foreach_norm(model, step, iters: int) -> dict:
                      ("_foreach_norm", lambda: torch._foreach_norm(grads))):
         for _ in range(3):
             fn()
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        out[name] = statistics.median(times)
+        out[name] = statistics.median(elapsed_ms(dev, fn) for _ in range(iters))
     out["grad_bytes"] = sum(g.numel() * g.element_size() for g in grads)
     out["grad_tensors"] = len(grads)
     return out
@@ -206,10 +226,10 @@ def pass_vs_foreach_norm(model, step, iters: int) -> dict:
 def tier_phase(args) -> tuple[list, bool]:
     import trainsan
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     rows = []
     for kind in args.models.split(","):
-        model, opt, step = make_job(kind, dev, args.dtype)
+        model, opt, step = make_job(kind, dev, args.dtype, args.tiny)
         nparams = sum(p.numel() for p in model.parameters())
         for i in range(3):  # warm-up: allocator, kernels, autotuning
             step(i)
@@ -221,27 +241,29 @@ def tier_phase(args) -> tuple[list, bool]:
                     if san is not None:
                         for i in range(11):  # snapshot, first checks, the default audit window
                             step(i)
-                    times[name].append(timed(step, args.steps, r * args.steps))
+                    times[name].append(timed(dev, step, args.steps, r * args.steps))
                 finally:
                     if san is not None:
                         san.close()
-        counts = {"plain": profile_steps(step, args.profile_steps, 0)}
+        counts = {"plain": profile_steps(dev, step, args.profile_steps, 0)}
         san = trainsan.attach(model, opt, policy="record")
         try:
             for i in range(11):
                 step(i)
-            counts["trainsan"] = profile_steps(step, args.profile_steps, 0)
+            counts["trainsan"] = profile_steps(dev, step, args.profile_steps, 0)
         finally:
             san.close()
-        floor = pass_vs_foreach_norm(model, step, args.iters)
+        floor = pass_vs_foreach_norm(dev, model, step, args.iters)
         plain, ts = statistics.median(times["plain"]), statistics.median(times["trainsan"])
         rows.append({"model": kind, "params_m": nparams / 1e6, "dtype": args.dtype,
                      "plain_ms": plain, "trainsan_ms": ts, "ratio": ts / plain,
                      "rounds": times, "counts": counts, "pass": floor})
         del model, opt, step
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
-    print(f"\nstep tier on {torch.cuda.get_device_name()} (torch {torch.__version__}), "
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
+    print(f"\nstep tier on {where} (torch {torch.__version__}), "
           f"{args.dtype}, AdamW, {args.rounds} rounds x {args.steps} steps")
     print(f"{'model':12s} {'params':>7s} {'plain ms':>9s} {'trainsan ms':>11s} {'ratio':>7s} "
           f"{'kern/step':>10s} {'ts kern':>8s} {'copies':>7s} {'memsets':>7s} "
@@ -346,6 +368,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=("all", "tier", "stop"), default="all")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to smoke-test the tier phase")
+    ap.add_argument("--tiny", action="store_true", help="small models (smoke test)")
     ap.add_argument("--models", default="mlp,transformer", help="comma list: mlp, transformer")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                     help="bf16: autocast to bfloat16 (parameters fp32); fp32: no autocast")
@@ -371,9 +395,12 @@ def main() -> int:
                       f"step {args.nan_step}: must exit non-zero with '{_STOP_MESSAGE}'")
         print("gpu_step_tier: dry run, nothing run")
         return 0
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_step_tier: skipped: no CUDA device")
         return 0
+    if not args.device.startswith("cuda") and "stop" in phases:
+        print("gpu_step_tier: the stop phase needs CUDA; only the tier phase runs on the CPU")
+        phases = [ph for ph in phases if ph != "stop"]
     if args.child_stop:
         return stop_child(args)
     import trainsan
