@@ -5,6 +5,7 @@
 // stopping path runs in a child process (it ends the CUDA context). Skipped where no CUDA device
 // is visible.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -339,6 +340,48 @@ TEST_F(TensorStatsGpu, RepeatedLaunchesBitwiseEqual) {
   const std::vector<at::Tensor> empties(700, at::empty({0}, at::device(at::kCUDA)));
   const auto e = trainsan::tensor_stats(empties);
   for (const auto& s : e) EXPECT_EQ(s.numel, 0);
+}
+
+// The pass captured into a CUDA graph (the ticket counters are then a buffer of the graph,
+// zeroed by a memset node, host/stats_cuda.cpp): every replay recomputes the rows, with the bits
+// of an uncaptured pass over the same values.
+TEST_F(TensorStatsGpu, CapturedInCudaGraph) {
+  std::vector<at::Tensor> ts = to_cuda(mixed_list());
+  const std::vector<char> modes = modes_of(ts.size(), 3);
+  const auto uncaptured = [&] {
+    const PackedStats p = trainsan::host::packed_cuda(ts, nullptr, &modes);
+    return std::make_pair(p.ints.cpu(), p.floats.cpu());
+  };
+  const auto bits_equal = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes() == b.sizes() &&
+           std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
+  };
+  const auto want = uncaptured();  // also the warm-up before capture
+  torch::cuda::synchronize();
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  at::cuda::CUDAGraph graph;
+  PackedStats captured;
+  {
+    const c10::cuda::CUDAStreamGuard guard(side);
+    graph.capture_begin();
+    captured = trainsan::host::packed_cuda(ts, nullptr, &modes);
+    graph.capture_end();
+  }
+  for (int k = 0; k < 3; ++k) {
+    graph.replay();
+    torch::cuda::synchronize();
+    EXPECT_TRUE(bits_equal(captured.ints.cpu(), want.first)) << "replay " << k;
+    EXPECT_TRUE(bits_equal(captured.floats.cpu(), want.second)) << "replay " << k;
+  }
+  // New values in place: the replay sees them.
+  ts[3].copy_(random_tensor(ts[3].scalar_type(), ts[3].numel(), 999).reshape(ts[3].sizes()));
+  ts[5].fill_(1);
+  const auto changed = uncaptured();
+  graph.replay();
+  torch::cuda::synchronize();
+  EXPECT_TRUE(bits_equal(captured.ints.cpu(), changed.first));
+  EXPECT_TRUE(bits_equal(captured.floats.cpu(), changed.second));
+  EXPECT_FALSE(bits_equal(changed.first, want.first));
 }
 
 // --- Device stop ------------------------------------------------------------------------------
