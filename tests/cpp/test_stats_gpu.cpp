@@ -1,9 +1,9 @@
 // The CUDA backend through the C++ API: equal to the CPU backend (counts, min/max/absmax and hash
 // exactly, sum and l2 within relative 1e-12) and to the float64 reference, bitwise equal run to
 // run; the single-launch pass in every PassMode (Note [Lean rows]) and with update statistics
-// against the CPU backend's packed rows; the device-side stop (Note [Device stop]), whose
-// stopping path runs in a child process (it ends the CUDA context). Skipped where no CUDA device
-// is visible.
+// against the CPU backend's packed rows, and captured into a CUDA graph; the device-side stop
+// (Note [Device stop]), whose stopping path runs in a child process (it ends the CUDA context).
+// Skipped where no CUDA device is visible.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
