@@ -8,23 +8,46 @@
 
 namespace trainsan::host {
 
+// Note [Every-step tier]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Every step gets the essentials: the hooks (forwards, losses, backwards, gradient arrival) and
+// one fused read of the stepping optimizer's gradients — the lean rows of Note [Lean rows]:
+// non-finite, zero, subnormal and fp16-overflow counts, ||g|| and max|g| per tensor, which is all
+// the gradient checks read; one launch on CUDA, its flags read one step late (Note [Lagged
+// checks]). The parameters are read on sampled steps only: with the update statistics (the step
+// that writes the snapshot and the step that compares against it), on traced steps, on replica
+// comparison steps and at every step of the warm-up. Between two, a step's ParamView carries the
+// latest measured statistics with param_measured false (last_stats() shows them too).
+// What may move to a later step under sampling, and by how much (P = the update period, 1 when
+// everything fits the budget, at most kMaxPeriod = 50; the trace summary gives it):
+//   - nonfinite_param and fp16_overflow on a parameter: reported at the next step with a
+//     parameter pass, at most P - 1 steps after the step that made the value (a NaN weight also
+//     makes the next forward's loss and gradients non-finite: nonfinite_loss and nonfinite_grad
+//     at the next step, which are never sampled);
+//   - the update findings (skipped_step's "changed no parameter" and "left unchanged",
+//     update_ratio, lr_mismatch and the others that read update statistics): at the next update
+//     step, at most P - 1 steps later, as before this tier;
+//   - vanishing_grad compares ||g|| (this step) with ||theta|| as last measured (at most P - 1
+//     steps old): the same step, a figure that may be that old.
+// Nothing else moves: the gradient, loss, input, mode, flow and accumulation findings are taken
+// every step, at the step they happen (or, on CUDA, read one step late as always).
+//
 // Note [Overhead budget]
 // ~~~~~~~~~~~~~~~~~~~~~~
-// Every step gets the essentials: the gradient hooks and one fused pass over the stepping
-// optimizer's gradients and parameters (non-finite counts, norms, zeros: every check but the
-// update ones). The update statistics (||dtheta||, changed elements) need a snapshot of the
-// parameters written at the end of the previous step and read at this one, which doubles the
-// pass's memory traffic. With a budget b (a fraction of the step time without TrainSan), the
-// first `warmup` steps all get update statistics; after that a step s gets them when
-// s % period == 0, and the step before it writes the snapshot. The period is the smallest that
-// keeps TrainSan's measured time per step within b, from the median of the recent step intervals
-// less TrainSan's time in each (the plain step) and running averages of TrainSan's time on steps
-// without a snapshot (the base) and of the extra time of snapshot steps: base + extra * min(1, 2 /
-// period) <= b * plain. Where the base alone exceeds the budget the period is kMaxPeriod: the
-// essentials are never sampled. The period depends on measured times, so which steps carry update
-// statistics varies from run to run; each step record says whether it did, and the trace summary
-// gives the period. A budget <= 0 means no budget: update statistics at every step (as does
-// update_outside_step, which compares against the snapshot at every step begin).
+// The update statistics (||dtheta||, changed elements) need a snapshot of the parameters written
+// at the end of the previous step and read at this one; with the parameters' own statistics
+// (Note [Every-step tier]) they triple the pass's memory traffic. With a budget b (a fraction of
+// the step time without TrainSan), the first `warmup` steps all get update statistics; after
+// that a step s gets them when s % period == 0, and the step before it writes the snapshot. The
+// period is the smallest that keeps TrainSan's measured time per step within b, from the median
+// of the recent step intervals less TrainSan's time in each (the plain step) and running averages
+// of TrainSan's time on steps without a parameter pass (the base) and of the extra time of steps
+// with one: base + extra * min(1, 2 / period) <= b * plain. Where the base alone exceeds the
+// budget the period is kMaxPeriod: the every-step tier is never sampled. The period depends on
+// measured times, so which steps carry update statistics varies from run to run; each step record
+// says whether it did, and the trace summary gives the period. A budget <= 0 means no budget:
+// update statistics at every step (as does update_outside_step, which compares against the
+// snapshot at every step begin).
 class OverheadBudget {
  public:
   static constexpr int64_t kMaxPeriod = 50;

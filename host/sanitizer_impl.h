@@ -45,6 +45,7 @@ struct SanitizerImpl {
   void manual_boundary();
   void loss(const at::Tensor& loss);
   void check_updates_outside_step(int64_t opt);
+  void stop_before_step(int64_t opt);  // Note [Device stop] (option device_stop)
   void step_end(int64_t opt, bool lr_zero, bool manual,
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
   void scaler_step(const ScalerStep& s);
@@ -104,6 +105,9 @@ struct SanitizerImpl {
   // ||theta|| of each parameter as of its previous pass (at attach before the first): the
   // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
   std::vector<double> prev_param_l2;
+  // Each parameter's latest measured statistics (Note [Every-step tier]: steps without a
+  // parameter pass show these, marked not measured).
+  std::vector<TensorStats> param_stats;
   std::map<std::string, TensorStats> last;  // last_stats()
   bool fp16_in_use = false;                 // some forward ran under fp16 autocast
   // Note [Mode rules]: of the last grad-enabled forward, the model's own eval flag and the

@@ -30,7 +30,8 @@ struct SanitizerImpl::Pass {
   bool replica = false;        // weights fingerprinted for the replica comparison
   bool replica_grads = false;  // gradients too (sampled: desync_state_every)
   bool report_update =
-      false;  // update statistics against a fresh snapshot (Note [Overhead budget])
+      false;                // update statistics against a fresh snapshot (Note [Overhead budget])
+  bool with_params = true;  // the parameters were read (Note [Every-step tier])
   std::vector<size_t> indices;     // parameters in the pass
   std::vector<Consumed> consumed;  // per entry of indices
   std::vector<int64_t> grad_row;   // per entry: row of its gradient, -1 when none
@@ -106,6 +107,8 @@ DevKey key_of(const at::Tensor& t) {
 
 void SanitizerImpl::initial_param_norms() {
   prev_param_l2.assign(params.size(), std::nan(""));
+  param_stats.assign(params.size(), TensorStats{});
+  for (size_t i = 0; i < params.size(); ++i) param_stats[i].numel = params[i].data().numel();
   if (!opts.track_updates) return;
   snapshots.resize(params.size());
   const at::NoGradGuard no_grad;
@@ -124,6 +127,7 @@ void SanitizerImpl::initial_param_norms() {
       const std::vector<TensorStats> st = unpack_stats(tensor_stats_packed(ts));
       for (size_t j = 0; j < idx.size(); ++j) {
         if (st[j].nonfinite() == 0) prev_param_l2[idx[j]] = st[j].l2;
+        param_stats[idx[j]] = st[j];
       }
     } catch (const c10::Error&) {
       // unsupported dtype: the first ratio of these parameters stays unknown
@@ -185,10 +189,11 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   {
     TRAINSAN_NVTX_RANGE("trainsan/stats");
     std::map<DevKey, std::vector<at::Tensor>> tensors, snaps;
-    std::map<DevKey, std::vector<char>> no_hash;
+    std::map<DevKey, std::vector<char>> modes;
     // Fingerprints (hash) cost about two thirds of the CPU pass's arithmetic and no check of the
     // pass reads them: computed on traced steps (for `trainsan diff`), every step with
     // `fingerprints`, and for the replica comparison on its steps (weights, sampled gradients).
+    // Note [Every-step tier]: elsewhere the gradients get the lean rows of Note [Lean rows].
     p->hashed = opts.fingerprints || trace.traces(p->step);
     p->replica = replicas && checks.replicas.fingerprint_due(p->step);
     p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
@@ -198,16 +203,20 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     const auto last_snap = snapshot_step.find(opt_key);
     const bool fresh = (last_snap == snapshot_step.end() ? -1 : last_snap->second) == p->step - 1;
     const bool due = budget.update_due(p->step);
-    with_snapshot = opts.track_updates && (due || budget.update_due(p->step + 1));
+    const bool due_next = budget.update_due(p->step + 1);
+    with_snapshot = opts.track_updates && (due || due_next);
+    // Note [Every-step tier]: the parameters are read with the update statistics (the step that
+    // writes the snapshot and the step that reads it), on traced and replica steps.
+    p->with_params = due || due_next || p->hashed || p->replica;
     // A partial step's snapshot is from attach, inside the step: its update is not the step's.
     p->report_update = with_snapshot && due && fresh && !p->partial;
     if (with_snapshot) snapshot_step[opt_key] = p->step;
     std::map<DevKey, std::vector<int64_t>> global_rows;
     int64_t row = 0;
-    auto push = [&](const at::Tensor& t, const at::Tensor& snap, bool hash) {
+    auto push = [&](const at::Tensor& t, const at::Tensor& snap, kn::PassMode mode) {
       const DevKey d = key_of(t);
       tensors[d].push_back(t.detach());
-      no_hash[d].push_back(hash ? 0 : 1);
+      modes[d].push_back(static_cast<char>(mode));
       snaps[d].push_back(snap);
       global_rows[d].push_back(row);
       return row++;
@@ -223,10 +232,11 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
       // forward, where this pass runs: only a gradient as the backward left it is checked.
       const bool untouched = !manual || !g.defined() || grads.as_backward_left(p->indices[k]);
       if (g.defined() && g.layout() == at::kStrided && untouched) {
-        p->grad_row[k] = push(g, at::Tensor(), p->hashed || p->replica_grads);
+        const bool hash = p->hashed || p->replica_grads;
+        p->grad_row[k] = push(g, at::Tensor(), hash ? kn::kModeFull : kn::kModeLean);
       }
     }
-    for (size_t k = 0; k < n; ++k) {
+    for (size_t k = 0; k < n && p->with_params; ++k) {
       const size_t i = p->indices[k];
       const at::Tensor& prm = params[i].data();
       at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
@@ -235,16 +245,16 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
         snap = at::Tensor();  // the parameter was replaced; start a new snapshot
         snapshots[i] = prm.detach().clone(at::MemoryFormat::Contiguous);
       }
-      p->param_row[k] = push(prm, snap, p->hashed || p->replica);
+      p->param_row[k] = push(prm, snap, p->hashed || p->replica ? kn::kModeFull : kn::kModeNoHash);
     }
     p->row_map.assign(static_cast<size_t>(row), {0, 0});
     for (auto& [dev, ts] : tensors) {
       const std::vector<at::Tensor>& sn = snaps[dev];
       const bool any_snap =
           std::any_of(sn.begin(), sn.end(), [](const at::Tensor& t) { return t.defined(); });
-      const std::vector<char>& nh = no_hash[dev];
-      PackedStats packed = ts.front().is_cuda() ? packed_cuda(ts, any_snap ? &sn : nullptr, &nh)
-                                                : packed_cpu(ts, any_snap ? &sn : nullptr, &nh);
+      const std::vector<char>& md = modes[dev];
+      PackedStats packed = ts.front().is_cuda() ? packed_cuda(ts, any_snap ? &sn : nullptr, &md)
+                                                : packed_cpu(ts, any_snap ? &sn : nullptr, &md);
       const size_t c = copies.size();
       copies.push_back(start_host_copy(packed));
       const auto& gr = global_rows[dev];
@@ -261,12 +271,52 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   const auto now = Clock::now();
   if (last_step_end != Clock::time_point{}) {
     budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
-                   overhead_s - overhead_at_last_step_end, with_snapshot);
+                   overhead_s - overhead_at_last_step_end, p->with_params);
   }
   last_step_end = now;
   overhead_at_last_step_end = overhead_s;
   coverage.update_period = budget.period();
   if (replica_driver) replica_driver->on_event(manual ? -1 : opt, /*skipped=*/false);
+}
+
+// Note [Device stop] (kernels/stats.cu) with option device_stop: before optimizer `opt` steps, a
+// lean read of its gradients (Note [Lean rows]); on CUDA a one-block kernel fails a device-side
+// assertion when one holds NaN/Inf (the host never waits: the job stops at its next CUDA call,
+// the update is never applied); on CPU the same counts are read at once and the step raises.
+// A GradScaler's skipped step never gets here (Python's _pre_step leaves it out).
+void SanitizerImpl::stop_before_step(int64_t opt) {
+  if (!opts.device_stop || closed) return;
+  const auto t0 = Clock::now();
+  std::map<DevKey, std::vector<at::Tensor>> grads_of;
+  std::map<DevKey, std::vector<size_t>> which;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (opt >= 0 && params[i].opt != opt) continue;
+    const at::Tensor g = params[i].local.defined() ? params[i].local_grad : params[i].param.grad();
+    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0) continue;
+    grads_of[key_of(g)].push_back(g.detach());
+    which[key_of(g)].push_back(i);
+  }
+  for (const auto& [dev, gs] : grads_of) {
+    const PackedStats packed = gradient_stats_packed(gs);
+    if (packed.ints.is_cuda()) {
+      stop_if_nonfinite(packed);
+      continue;
+    }
+    const std::vector<TensorStats> st = unpack_stats(packed);
+    int64_t bad = 0;
+    std::string first;
+    for (size_t k = 0; k < st.size(); ++k) {
+      bad += st[k].nonfinite();
+      if (first.empty() && st[k].nonfinite() > 0) first = params[which.at(dev)[k]].name;
+    }
+    TORCH_CHECK(bad == 0, "trainsan: device_stop: ", bad,
+                " non-finite gradient elements (first in ", first,
+                ".grad); the optimizer step was not applied. Find where the NaN/Inf is made "
+                "(trainsan's nonfinite_grad / nonfinite_loss findings at this step, or "
+                "torch.autograd.set_detect_anomaly(True)); switch device_stop off to let the "
+                "sanitizer only report it");
+  }
+  add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
 void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {
@@ -290,7 +340,6 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.params.resize(p.indices.size());
   for (size_t k = 0; k < p.indices.size(); ++k) {
     const size_t i = p.indices[k];
-    const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
     ParamView& pv = v.params[k];
     pv.index = i;
     pv.name = params[i].name;
@@ -300,16 +349,24 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     pv.observed = p.consumed[k].observed;
     pv.grad_at_step = p.consumed[k].at_step;
     if (p.grad_row[k] >= 0) pv.grad = rows[static_cast<size_t>(p.grad_row[k])].stats;
-    pv.param = pr.stats;
-    pv.update = pr.update;
     pv.param_l2_before = prev_param_l2[i];
+    if (p.param_row[k] >= 0) {
+      const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
+      pv.param = pr.stats;
+      pv.update = pr.update;
+      param_stats[i] = pr.stats;
+      prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
+    } else {  // Note [Every-step tier]: the latest measurement, not this step's
+      pv.param = param_stats[i];
+      pv.param.numel = params[i].data().numel();
+      pv.param_measured = false;
+    }
     const int64_t grp = params[i].group;
     if (pv.opt == p.opt && grp >= 0 && static_cast<size_t>(grp) < p.group_lr.size()) {
       pv.lr = p.group_lr[static_cast<size_t>(grp)];
     }
     pv.eps = dtype_eps(params[i].param.scalar_type());
     pv.grad_left_nonzero = p.consumed[k].left_nonzero;
-    prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
   }
   if (p.replica) {
     StepFingerprints fp;

@@ -275,6 +275,9 @@ HostCopy start_host_copy(const PackedStats& packed) {
   return {packed, nullptr};
 }
 bool host_copy_ready(const HostCopy&) { return true; }
+void stop_if_nonfinite(const PackedStats& packed) {
+  TORCH_INTERNAL_ASSERT(!packed.ints.is_cuda(), "CUDA results in a build without CUDA");
+}
 void wait_host_copy(const HostCopy&) {}
 
 PackedStats packed_cuda(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>*,
@@ -292,6 +295,14 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors) {
   host::check_one_device(tensors, "tensor_stats_packed");
   if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors);
   return host::packed_cpu(tensors);
+}
+
+PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors) {
+  host::check_tensors(tensors, "gradient_stats");
+  host::check_one_device(tensors, "gradient_stats");
+  const std::vector<char> modes(tensors.size(), static_cast<char>(kn::kModeLean));
+  if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors, nullptr, &modes);
+  return host::packed_cpu(tensors, nullptr, &modes);
 }
 
 std::vector<TensorStats> unpack_stats(const PackedStats& packed) {

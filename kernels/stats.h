@@ -56,8 +56,8 @@ struct TensorDesc {
 // ~~~~~~~~~~~~~~~~
 // What the pass computes for one tensor:
 //   kModeFull   every field of the record, the fingerprint included;
-//   kModeNoHash every field but the fingerprint (the hash column is then 0); it costs about two
-//               thirds of the CPU pass's arithmetic where nobody reads it;
+//   kModeNoHash every field but the fingerprint (the hash column is then meaningless); it saves
+//               about two thirds of the CPU pass's arithmetic where nobody reads it;
 //   kModeLean   the every-step tier of the step pass (Note [Every-step tier] in
 //               host/sanitizer_pass.cpp): the exact counts (numel, nan, ±inf, zero, subnormal,
 //               fp16_overflow), sumsq and absmax; no fingerprint, no min, max or sum — their packed

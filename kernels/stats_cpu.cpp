@@ -121,9 +121,8 @@ enum class BlockKind { kFull, kOrdinary, kOrdinaryNoZero };
 // One read of a block (it stays in L1 for the body): the largest |bits|, the smallest, and the
 // smallest |bits| - 1 (zero wraps to the top, so this is the smallest nonzero |bits|, minus 1).
 template <typename T>
-inline __attribute__((always_inline)) BlockKind scan_block(const T* p, int64_t n,
-                                                           typename ElemTraits<T>::Bits* top =
-                                                               nullptr) {
+inline __attribute__((always_inline)) BlockKind scan_block(
+    const T* p, int64_t n, typename ElemTraits<T>::Bits* top = nullptr) {
   using Tr = ElemTraits<T>;
   using Bits = typename Tr::Bits;
   Bits hi = 0, lo = static_cast<Bits>(~Bits{0}), lo_nonzero = static_cast<Bits>(~Bits{0});
@@ -254,14 +253,8 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
 // chunk_body (and merged in the same lane order), so it has the same bits; absmax is the largest
 // finite |x|, taken on the bits (exact), which is chunk_body's max(-min, max).
 template <typename T>
-inline __attribute__((always_inline)) void lean_body(const T* p, int64_t base, int64_t n,
-                                                     StatsRecord* out) {
+inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, StatsRecord* out) {
   using Tr = ElemTraits<T>;
-  if constexpr (!Tr::kFloating) {
-    // Integer tensors: the statistics without the fingerprint (min, max and sum are packed as NaN).
-    chunk_body<T, false>(p, base, n, out);
-    return;
-  } else {
   using Acc = typename Tr::Acc;
   using Bits = typename Tr::Bits;
   uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
@@ -335,6 +328,16 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t base, i
   r.numel = n_vec;
   for (int64_t i = n_vec; i < n; ++i) accumulate_lean<T>(r, p[i]);
   *out = r;
+}
+
+// Integer tensors take the statistics without the fingerprint (min, max and sum packed as NaN).
+template <typename T>
+inline __attribute__((always_inline)) void lean_chunk(const T* p, int64_t base, int64_t n,
+                                                      StatsRecord* out) {
+  if constexpr (ElemTraits<T>::kFloating) {
+    lean_body<T>(p, n, out);
+  } else {
+    chunk_body<T, false>(p, base, n, out);
   }
 }
 
@@ -380,17 +383,17 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
 // The entry points of the inner loops, one per element type, each compiled per target
 // (TRAINSAN_CLONES): GCC does not clone templates, so the templates are wrapped in plain
 // overloads. The integer updates are not cloned (update_chunk's template below).
-#define TRAINSAN_CLONED_CHUNK(T)                                                              \
+#define TRAINSAN_CLONED_CHUNK(T)                                                               \
   TRAINSAN_CLONES void chunk(const T* p, int64_t b, int64_t n, StatsRecord* o, int32_t mode) { \
-    if (mode == kModeLean) {                                                                  \
-      lean_body<T>(p, b, n, o);                                                               \
-      return;                                                                                 \
-    }                                                                                         \
-    if (mode == kModeFull) {                                                                  \
-      chunk_body<T, true>(p, b, n, o);                                                        \
-    } else {                                                                                  \
-      chunk_body<T, false>(p, b, n, o);                                                       \
-    }                                                                                         \
+    if (mode == kModeLean) {                                                                   \
+      lean_chunk<T>(p, b, n, o);                                                               \
+      return;                                                                                  \
+    }                                                                                          \
+    if (mode == kModeFull) {                                                                   \
+      chunk_body<T, true>(p, b, n, o);                                                         \
+    } else {                                                                                   \
+      chunk_body<T, false>(p, b, n, o);                                                        \
+    }                                                                                          \
   }
 #define TRAINSAN_CLONED_UPDATE(T)                                                  \
   TRAINSAN_CLONES void update_chunk(const T* p, T* s, int64_t n, StatsRecord* o) { \

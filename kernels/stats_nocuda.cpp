@@ -4,11 +4,17 @@
 
 namespace trainsan::kernels {
 
-void cuda_tensor_stats(const TensorDesc*, int64_t, const int64_t*, int64_t, StatsRecord*, int64_t*,
-                       double*, bool, CUstream_st*) {
+void cuda_tensor_stats(const TensorDesc*, int64_t, const int64_t*, int64_t, StatsRecord*, int32_t*,
+                       int64_t*, double*, bool, CUstream_st*) {
   TRAINSAN_CHECK(false,
                  "this TrainSan build has no CUDA support; rebuild with the CUDA toolkit "
                  "(TRAINSAN_WITH_CUDA=ON) to compute statistics of CUDA tensors");
+}
+
+void cuda_stop_if_nonfinite(const int64_t*, int64_t, int64_t, CUstream_st*) {
+  TRAINSAN_CHECK(false,
+                 "this TrainSan build has no CUDA support; device_stop needs CUDA tensors and a "
+                 "build with the CUDA toolkit (TRAINSAN_WITH_CUDA=ON)");
 }
 
 bool cuda_compiled() { return false; }

@@ -183,6 +183,14 @@ struct SanitizerHandle : torch::CustomClassHolder {
 
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
+  // Note [Lean rows]: the every-step tier's pass over tensors of one device (bench, tests).
+  m.def("gradient_stats(Tensor[] tensors) -> (Tensor, Tensor)", [](at::TensorList tensors) {
+    std::vector<at::Tensor> ts;
+    ts.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) ts.push_back(t.detach());
+    const trainsan::PackedStats p = trainsan::gradient_stats_packed(ts);
+    return std::make_tuple(p.ints, p.floats);
+  });
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
   m.def("check_checkpoint", &check_checkpoint_op);
   m.def("state_mismatches", &state_mismatches_op);

@@ -18,7 +18,7 @@ from ._tables import KINDS, OPTIONS, Options
 from .attribution import poison_batches, skip_poison
 from .checkpoint import CheckpointReport, check_checkpoint
 from .sanitizer import Sanitizer
-from .stats import PendingStats, TensorStats, tensor_stats, tensor_stats_async
+from .stats import PendingStats, TensorStats, gradient_stats, tensor_stats, tensor_stats_async
 
 _resume.install()  # the load journal, from the script's first line (Note [Load journal])
 _recompute.install()  # the checkpoint wrapper, before models store it (Note [Recompute wrapper])
@@ -81,6 +81,7 @@ __all__ = [
     "skip_poison",
     "tensor_stats",
     "tensor_stats_async",
+    "gradient_stats",
 ]
 
 

@@ -208,3 +208,16 @@ def tensor_stats(tensors: Iterable[torch.Tensor]) -> list[TensorStats]:
     """
     ts = _check(tensors, "tensor_stats")
     return PendingStats(len(ts), _launch(ts)).result()
+
+
+def gradient_stats(tensors: Iterable[torch.Tensor]) -> list[TensorStats]:
+    """The every-step tier's pass over ``tensors`` (all on one device): what the sanitizer reads of
+    the gradients at every step.
+
+    Only the counts (numel, nan, posinf, neginf, zero, subnormal, fp16_overflow), ``l2`` and
+    ``absmax`` are computed, with the same values as :func:`tensor_stats`; ``min`` and ``max`` are
+    None, ``sum`` is NaN and ``hash`` is 0. Blocks until the results are on the host.
+    """
+    ts = _check(tensors, "gradient_stats")
+    ints, floats = torch.ops.trainsan.gradient_stats(ts)
+    return _unpack(ints.cpu(), floats.cpu())

@@ -69,7 +69,8 @@ struct ParamView {
   GradObservation observed;
   GradAtStep grad_at_step = GradAtStep::kAsBackwardLeft;
   std::optional<TensorStats> grad;    ///< empty when there was no gradient to read
-  TensorStats param;                  ///< after the step
+  TensorStats param;                  ///< after the step, or (not measured) the latest measured
+  bool param_measured = true;         ///< Note [Every-step tier]: read at this step
   std::optional<UpdateStats> update;  ///< with track_updates
   double param_l2_before = 0.0;       ///< ||theta|| before the step; NaN where unknown
   /// Learning rate of its optimizer group at the step; NaN where unknown (C++ end_step() without

@@ -70,6 +70,7 @@ void NonfiniteCheck::on_step(const StepView& v) {
                                     : "." + origin),
                 static_cast<double>(p.grad->nonfinite()), v.step);
     }
+    if (!p.param_measured) continue;  // Note [Every-step tier]: found at the next measured step
     if (p.param.nonfinite() > 0) {
       sink_.add(Kind::nonfinite_param, p.name,
                 p.name + " holds " + nonfinite_text(p.param) +

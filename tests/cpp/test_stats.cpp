@@ -173,6 +173,54 @@ TEST(TensorStats, ReferenceEveryDtype) {
   EXPECT_GT(stats[4].nan * stats[4].posinf * stats[4].neginf * stats[4].subnormal, 0);
 }
 
+// Note [Lean rows]: the every-step tier's rows are the full rows' counts, l2 and absmax with the
+// same bits (the same per-lane order of the sums), and nothing else.
+TEST(TensorStats, GradientStatsAreTheLeanColumns) {
+  std::vector<at::Tensor> ts;
+  for (const auto st : all_dtypes()) {
+    for (const int64_t n :
+         {int64_t{0}, int64_t{1}, int64_t{17}, kChunk - 1, kChunk + 1, 3 * kChunk + 17}) {
+      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * 7 + ts.size()));
+    }
+    const at::Tensor m = random_tensor(st, 300 * 70, 99 + ts.size()).reshape({300, 70});
+    ts.push_back(m.t());                 // transposed view
+    ts.push_back(m.slice(1, 3, 60, 2));  // strided slice
+  }
+  // Blocks with no special value (the ordinary path), with zeros, and all-special tensors.
+  ts.push_back(at::randn({5 * 1024 + 3}));
+  ts.push_back(at::randn({4096}) * (at::rand({4096}) > 0.5));
+  ts.push_back(at::full({2048}, kNaN));
+  ts.push_back(at::full({2048}, -kInf, at::kHalf));
+  const auto full = trainsan::tensor_stats(ts);
+  const auto lean = trainsan::unpack_stats(trainsan::gradient_stats_packed(ts));
+  ASSERT_EQ(lean.size(), ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::string what = "tensors[" + std::to_string(i) + "] " + name(ts[i].scalar_type());
+    EXPECT_EQ(lean[i].numel, full[i].numel) << what;
+    EXPECT_EQ(lean[i].nan, full[i].nan) << what;
+    EXPECT_EQ(lean[i].posinf, full[i].posinf) << what;
+    EXPECT_EQ(lean[i].neginf, full[i].neginf) << what;
+    EXPECT_EQ(lean[i].zero, full[i].zero) << what;
+    EXPECT_EQ(lean[i].subnormal, full[i].subnormal) << what;
+    EXPECT_EQ(lean[i].fp16_overflow, full[i].fp16_overflow) << what;
+    EXPECT_EQ(lean[i].l2, full[i].l2) << what;  // bitwise: the same additions in the same order
+    EXPECT_EQ(lean[i].absmax.has_value(), full[i].absmax.has_value()) << what;
+    if (lean[i].absmax && full[i].absmax) {
+      EXPECT_EQ(*lean[i].absmax, *full[i].absmax) << what;
+    }
+    EXPECT_FALSE(lean[i].min.has_value()) << what;
+    EXPECT_FALSE(lean[i].max.has_value()) << what;
+    EXPECT_TRUE(std::isnan(lean[i].sum)) << what;
+    EXPECT_EQ(lean[i].hash, 0u) << what;
+    // And against the float64 reference, independently of the full pass.
+    const auto ref = reference(ts[i]);
+    EXPECT_EQ(lean[i].nan + lean[i].posinf + lean[i].neginf, ref.nan + ref.posinf + ref.neginf)
+        << what;
+    EXPECT_NEAR(lean[i].l2, ref.l2, 1e-12 * std::max(1.0, ref.l2)) << what;
+  }
+  EXPECT_TRUE(trainsan::unpack_stats(trainsan::gradient_stats_packed({})).empty());
+}
+
 TEST(TensorStats, ManySmallTensors) {
   std::vector<at::Tensor> ts;
   for (int i = 0; i < 3000; ++i) {

@@ -34,6 +34,11 @@ struct PackedStats {
 /// later (e.g. after an asynchronous copy to pinned memory) with unpack_stats().
 PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors);
 
+/// The every-step tier's pass (Note [Lean rows], Note [Every-step tier]): like
+/// tensor_stats_packed, but only the counts, l2 and absmax are computed (the sanitizer's
+/// per-step read of the gradients); min, max and sum are NaN and hash is 0. One device.
+PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors);
+
 /// Convert packed results (any device; copied to the host if needed) to TensorStats.
 std::vector<TensorStats> unpack_stats(const PackedStats& packed);
 /// The column names of a packed result (without the update columns): the int64 columns, then

@@ -1,0 +1,151 @@
+"""The every-step tier (Note [Every-step tier], Note [Lean rows]): what every step reads, what is
+sampled and how late a sampled finding may come; option device_stop (Note [Device stop]) on CPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainsan
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _step(model, opt, i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _reference_rows(tensors):
+    """Float64 reference of the lean columns, independent of the pass."""
+    out = []
+    for t in tensors:
+        d = t.detach().double().reshape(-1)
+        fin = d.isfinite()
+        f = d[fin]
+        out.append(dict(
+            numel=d.numel(), nan=int(d.isnan().sum()), posinf=int((d == math.inf).sum()),
+            neginf=int((d == -math.inf).sum()), zero=int((d == 0).sum()),
+            l2=float(f.norm()) if f.numel() else 0.0,
+            absmax=float(f.abs().max()) if f.numel() else None,
+        ))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_gradient_stats_lean_columns_against_float64(dtype):
+    g = torch.Generator().manual_seed(7)
+    ts = [
+        torch.randn(70_000, generator=g).to(dtype),                  # two chunks, ordinary blocks
+        torch.randn(300, 50, generator=g).to(dtype).t(),             # a strided view
+        torch.tensor([0.0, -0.0, 1.0, float("nan"), float("inf"), -float("inf"), 1e-40]).to(dtype),
+        torch.zeros(0, dtype=dtype),
+        torch.full((5000,), 3.0, dtype=dtype) * (torch.rand(5000, generator=g) > 0.5),
+    ]
+    lean = trainsan.gradient_stats(ts)
+    full = trainsan.tensor_stats(ts)
+    for s, f, r in zip(lean, full, _reference_rows(ts)):
+        for k in ("numel", "nan", "posinf", "neginf", "zero"):
+            assert getattr(s, k) == r[k], k
+        assert (s.subnormal, s.fp16_overflow) == (f.subnormal, f.fp16_overflow)
+        assert s.l2 == f.l2  # the same additions in the same order
+        assert s.l2 == pytest.approx(r["l2"], rel=1e-12, abs=0.0)
+        assert s.absmax == r["absmax"] == f.absmax
+        assert s.min is None and s.max is None and math.isnan(s.sum) and s.hash == 0
+
+
+def test_gradient_stats_bad_input_names_it():
+    with pytest.raises(TypeError, match="gradient_stats"):
+        trainsan.gradient_stats([torch.zeros(3), "x"])
+
+
+def test_steady_steps_read_gradients_lean_and_sample_the_parameters():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", overhead_warmup=3) as san:
+        for i in range(3):
+            _step(model, opt, i)
+            st = san.last_stats()
+            (w,) = trainsan.tensor_stats([model[0].weight])
+            # Warm-up: the parameters are read at every step (with their update statistics).
+            assert (st["0.weight"].l2, st["0.weight"].min) == (w.l2, w.min)
+            assert "0.weight.update" in st
+        stale = 0
+        for i in range(3, 60):
+            _step(model, opt, i)
+            st = san.last_stats()
+            grad = st["0.weight.grad"]
+            (ref,) = trainsan.tensor_stats([model[0].weight.grad])
+            # Every step: the gradients, lean (no min/max/sum), the same l2 bits.
+            assert grad.l2 == ref.l2 and grad.nan == ref.nan and grad.zero == ref.zero
+            assert grad.absmax == ref.absmax
+            assert grad.min is None and math.isnan(grad.sum)
+            (w,) = trainsan.tensor_stats([model[0].weight])
+            stale += st["0.weight"].l2 != w.l2  # the latest measurement, not this step's
+        cov = san.coverage()
+        assert cov["steps_checked"] == 60
+        # The parameters and their updates only on the sampled steps.
+        assert stale > 0 and 3 <= cov["update_steps"] < 60
+    assert san.findings == []
+
+
+def test_nan_weight_is_found_at_the_next_step_and_nonfinite_param_within_the_period():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", overhead_warmup=2) as san:
+        for i in range(12):
+            _step(model, opt, i)
+        bad_step = san.step  # the step whose forward first sees the NaN weight
+        with torch.no_grad():
+            model[2].bias[0] = float("nan")
+        for i in range(12, 12 + 60):
+            _step(model, opt, i)
+        period = san.coverage()["update_period"]
+    kinds = {}
+    for f in san.findings:
+        kinds.setdefault(f.kind, f.step)
+    # Never sampled: the loss and the gradients of the very next step.
+    assert kinds.get("nonfinite_loss") == bad_step or kinds.get("nonfinite_grad") == bad_step
+    # nonfinite_param: at most period - 1 steps later (Note [Every-step tier]).
+    assert "nonfinite_param" in kinds
+    assert bad_step - 1 <= kinds["nonfinite_param"] <= bad_step - 1 + period
+
+
+def test_device_stop_on_cpu_raises_before_the_update():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", device_stop=True) as san:
+        for i in range(3):
+            _step(model, opt, i)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+        (F.cross_entropy(model(x), y) * float("nan")).backward()
+        with pytest.raises(RuntimeError, match="device_stop: .* non-finite gradient elements"):
+            opt.step()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[n]), n  # the update was not applied
+    assert san.step == 3
+
+
+def test_device_stop_off_by_default_and_silent_on_clean_steps():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", device_stop=True) as san:
+        for i in range(6):
+            _step(model, opt, i)
+    assert san.findings == []
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record") as san:
+        opt.zero_grad()
+        (F.cross_entropy(model(torch.randn(4, 8)), torch.zeros(4, dtype=torch.long))
+         * float("nan")).backward()
+        opt.step()  # no device_stop: reported, not stopped
+    assert any(f.kind == "nonfinite_grad" for f in san.findings)
