@@ -12,9 +12,9 @@ bf16 autocast (--dtype fp32 for float32) and AdamW:
                  profiler's synchronising runtime/driver API calls (cudaStreamSynchronize,
                  cudaEventSynchronize, cudaDeviceSynchronize, synchronous cudaMemcpy, ...;
                  trainsan's own calls too, where CUPTI sees its static CUDA runtime); target: 0
-  pass time      torch.ops.trainsan.tensor_stats over the model's gradients (a full-mode pass:
-                 the step tier's lean rows do less arithmetic) against torch._foreach_norm over
-                 the same gradients, CUDA events, median
+  pass time      torch.ops.trainsan.gradient_stats over the model's gradients (the every-step
+                 pass: Note [Lean rows]) and tensor_stats (every field) against
+                 torch._foreach_norm over the same gradients, CUDA events, median
 
 Phase `stop`: a child process trains with ``device_stop=True`` and plants a NaN in a gradient
 at step --nan-step; it must exit non-zero with the "trainsan: device_stop:" message, after steps
@@ -213,7 +213,8 @@ def pass_vs_foreach_norm(dev: torch.device, model, step, iters: int) -> dict:
     step(0)  # fresh gradients (no sanitizer attached)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     out = {}
-    for name, fn in (("trainsan pass", lambda: torch.ops.trainsan.tensor_stats(grads)),
+    for name, fn in (("trainsan pass", lambda: torch.ops.trainsan.gradient_stats(grads)),
+                     ("full pass", lambda: torch.ops.trainsan.tensor_stats(grads)),
                      ("_foreach_norm", lambda: torch._foreach_norm(grads))):
         for _ in range(3):
             fn()

@@ -12,8 +12,8 @@ namespace trainsan::host {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // Every step gets the essentials: the hooks (forwards, losses, backwards, gradient arrival) and
 // one fused read of the stepping optimizer's gradients — the lean rows of Note [Lean rows]:
-// non-finite, zero, subnormal and fp16-overflow counts, ||g|| and max|g| per tensor, which is all
-// the gradient checks read; one launch on CUDA, its flags read one step late (Note [Lagged
+// non-finite, zero, subnormal and fp16-overflow counts, sum, ||g|| and max|g| per tensor, which
+// is all the gradient checks read; one launch on CUDA, its flags read one step late (Note [Lagged
 // checks]). The parameters are read on sampled steps only: with the update statistics (the step
 // that writes the snapshot and the step that compares against it), on traced steps, on replica
 // comparison steps and at every step of the warm-up. Between two, a step's ParamView carries the

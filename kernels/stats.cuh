@@ -251,7 +251,7 @@ TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
   r.sumsq += d * d;
 }
 
-// Note [Lean rows]: the counts, sumsq and absmax of accumulate(), nothing else (min/max/sum keep
+// Note [Lean rows]: the counts, sum, sumsq and absmax of accumulate(), nothing else (min/max keep
 // their identities and are written as NaN by pack_record(..., lean = true)).
 template <typename T>
 TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
@@ -267,6 +267,7 @@ TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
   r.fp16_overflow += c.overflow;
   const double d = c.finite ? static_cast<double>(x) : 0.0;
   r.absmax = max_(r.absmax, d < 0 ? -d : d);
+  r.sum += d;
   r.sumsq += d * d;
 }
 
@@ -289,7 +290,7 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
 }
 
 // Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
-// is finite; a lean row (Note [Lean rows]) has NaN for min, max and sum and hash 0.
+// is finite; a lean row (Note [Lean rows]) has NaN for min and max and hash 0.
 TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats,
                              bool lean = false) {
   ints[kColNumel] = r.numel;
@@ -309,7 +310,7 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
   floats[kColL2] = sqrt(r.sumsq);
   if (lean) {
     ints[kColHash] = 0;
-    floats[kColMin] = floats[kColMax] = floats[kColSum] = nan;
+    floats[kColMin] = floats[kColMax] = nan;
   }
 }
 

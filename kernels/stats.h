@@ -59,10 +59,11 @@ struct TensorDesc {
 //   kModeNoHash every field but the fingerprint (the hash column is then meaningless); it saves
 //               about two thirds of the CPU pass's arithmetic where nobody reads it;
 //   kModeLean   the every-step tier of the step pass (Note [Every-step tier] in
-//               host/sanitizer_pass.cpp): the exact counts (numel, nan, ±inf, zero, subnormal,
-//               fp16_overflow), sumsq and absmax; no fingerprint, no min, max or sum — their packed
-//               columns hold NaN (hash 0). sumsq is accumulated in the same order as in the other
-//               modes, so a lean row's l2 and absmax have the same bits as a full row's.
+//               host/overhead_budget.h) and the saved-tensor fingerprints: the exact counts
+//               (numel, nan, ±inf, zero, subnormal, fp16_overflow), sum, sumsq and absmax; no
+//               fingerprint, no min or max — their packed columns hold NaN (hash 0). sum and
+//               sumsq are accumulated in the same order as in the other modes, so a lean row's
+//               sum, l2 and absmax have the same bits as a full row's.
 // A snapshot (update statistics) is honoured in every mode.
 enum PassMode : int32_t { kModeFull = 0, kModeNoHash = 1, kModeLean = 2 };
 

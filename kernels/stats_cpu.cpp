@@ -249,9 +249,10 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
 }
 
 // Lane-parallel form of accumulate_lean<T>() (Note [Lean rows]) over a contiguous run of a floating
-// dtype: the counts, sumsq and absmax only. sumsq is accumulated per lane in the same order as in
-// chunk_body (and merged in the same lane order), so it has the same bits; absmax is the largest
-// finite |x|, taken on the bits (exact), which is chunk_body's max(-min, max).
+// dtype: the counts, sum, sumsq and absmax only. sum and sumsq are accumulated per lane in the
+// same order as in chunk_body (and merged in the same lane order), so they have the same bits;
+// absmax is the largest finite |x|, taken on the bits (exact), which is chunk_body's
+// max(-min, max).
 template <typename T>
 inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, StatsRecord* out) {
   using Tr = ElemTraits<T>;
@@ -259,7 +260,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
   using Bits = typename Tr::Bits;
   uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
            c_sub[kLanes] = {}, c_ovf[kLanes] = {};
-  double ss[kLanes] = {};
+  double s[kLanes] = {}, ss[kLanes] = {};
   Bits amax[kLanes] = {};
   Bits block_max = 0;
   const int64_t n_vec = n - n % kLanes;
@@ -280,6 +281,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
               c_zero[l] += (Tr::bits(v) & Tr::kAbsMask) == 0;
             }
             const double d = static_cast<double>(Tr::value(v));
+            s[l] += d;
             ss[l] += d * d;
           }
         }
@@ -306,6 +308,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
         const Bits a = c.finite ? static_cast<Bits>(Tr::bits(v) & Tr::kAbsMask) : Bits{0};
         amax[l] = a > amax[l] ? a : amax[l];
         const double d = static_cast<double>(c.finite ? x : Acc(0));
+        s[l] += d;
         ss[l] += d * d;
       }
     }
@@ -319,6 +322,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
     r.zero += c_zero[l];
     r.subnormal += c_sub[l];
     r.fp16_overflow += c_ovf[l];
+    r.sum += s[l];
     r.sumsq += ss[l];
     block_max = amax[l] > block_max ? amax[l] : block_max;
   }

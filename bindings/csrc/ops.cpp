@@ -191,6 +191,15 @@ TORCH_LIBRARY(trainsan, m) {
     const trainsan::PackedStats p = trainsan::gradient_stats_packed(ts);
     return std::make_tuple(p.ints, p.floats);
   });
+  // Note [Saved-tensor fingerprint] (autograd_checks.py): the lean rows of tensors of one device
+  // as one int64 [N, 13] tensor (the int columns, then the float columns' bits), on that device.
+  m.def("fingerprints(Tensor[] tensors) -> Tensor", [](at::TensorList tensors) {
+    std::vector<at::Tensor> ts;
+    ts.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) ts.push_back(t.detach());
+    const trainsan::PackedStats p = trainsan::gradient_stats_packed(ts);
+    return at::cat({p.ints, p.floats.view(at::kLong)}, 1);
+  });
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
   m.def("check_checkpoint", &check_checkpoint_op);
   m.def("state_mismatches", &state_mismatches_op);

@@ -37,13 +37,23 @@ _ops = torch.ops.trainsan
 
 # Note [Saved-tensor fingerprint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# (Σx, Σ|x|) in the tensor's own floating precision (integer tensors: Σx in int64), compared
-# bitwise (NaN included): two vectorised reductions that cost about a memory read each (the fused
-# statistics pass with its hash costs several times more on CPU), deterministic for an unchanged
-# tensor (same data, same layout, same reduction order). A write this check is for — clamp, scale,
-# standardise, overwrite, zero — moves them; a change below the sums' rounding (a relative change
-# of ~1e-7 of Σ|x|) or one that keeps both sums (a permutation of the elements) is not seen.
+# The lean row of the statistics pass (Note [Lean rows]: the counts of NaN, ±Inf, zeros,
+# subnormals and fp16 overflows, Σx, ‖x‖ and max|x|), compared bitwise: one vectorised read of the
+# tensor in one op call, at pack and again — for all pending tensors of a device in one fused pass
+# — when backward starts; deterministic for an unchanged tensor (same data, same reduction order
+# whatever the layout). A write this check is for — clamp, scale, negate, standardise,
+# overwrite, zero — moves it; a change below the sums' rounding (a relative change of ~1e-16 of
+# Σx and ‖x‖² in float64) or one that keeps every figure (a permutation of the elements) is not
+# seen.
 _state = {"in_gradcheck": False}
+
+
+# The dtypes of the statistics pass; saved tensors of others (float8, uint16/32/64) are not
+# fingerprinted.
+_PASS_DTYPES = frozenset((
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool,
+))
 
 
 def _fingerprintable(t: torch.Tensor) -> bool:
@@ -51,7 +61,7 @@ def _fingerprintable(t: torch.Tensor) -> bool:
         t.layout == torch.strided
         and t.device.type in ("cpu", "cuda")
         and type(t) is torch.Tensor
-        and not t.is_complex()
+        and t.dtype in _PASS_DTYPES
     )
 
 
@@ -65,12 +75,23 @@ def _resident(t: torch.Tensor) -> bool:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """float64 [2], compared through its bits (Note [Saved-tensor fingerprint])."""
-    if t.is_floating_point():
-        f = torch.stack([t.sum(), torch.linalg.vector_norm(t, 1)])
-    else:
-        f = t.sum(dtype=torch.int64).expand(2)
-    return f.to(torch.float64).view(torch.int64)
+    """int64 [13], on t's device (Note [Saved-tensor fingerprint])."""
+    return _ops.fingerprints([t])[0]
+
+
+def _fingerprints(ts: list) -> torch.Tensor:
+    """int64 [len(ts), 13]: one fused pass per device."""
+    by_dev: dict = {}
+    for i, t in enumerate(ts):
+        by_dev.setdefault(t.device, []).append(i)
+    if len(by_dev) == 1:
+        return _ops.fingerprints(ts)
+    rows: list = [None] * len(ts)
+    for dev, idx in by_dev.items():
+        out = _ops.fingerprints([ts[i] for i in idx])
+        for k, i in enumerate(idx):
+            rows[i] = out[k]
+    return rows  # type: ignore[return-value]
 
 
 def _node_name() -> str:
@@ -187,9 +208,12 @@ class SavedTensorCheck:
         if not pending:
             return
         try:
-            after = torch.stack([_fingerprint(r.alias) for r in pending])
-            before = torch.stack([r.before for r in pending])
-            changed = (after != before).any(1).tolist()
+            after = _fingerprints([r.alias for r in pending])
+            if isinstance(after, torch.Tensor):
+                before = torch.stack([r.before for r in pending])
+                changed = (after != before).any(1).tolist()
+            else:  # several devices
+                changed = [bool((a != r.before).any()) for a, r in zip(after, pending)]
         except Exception:
             return
         for r, c in zip(pending, changed):

@@ -214,9 +214,9 @@ def gradient_stats(tensors: Iterable[torch.Tensor]) -> list[TensorStats]:
     """The every-step tier's pass over ``tensors`` (all on one device): what the sanitizer reads of
     the gradients at every step.
 
-    Only the counts (numel, nan, posinf, neginf, zero, subnormal, fp16_overflow), ``l2`` and
-    ``absmax`` are computed, with the same values as :func:`tensor_stats`; ``min`` and ``max`` are
-    None, ``sum`` is NaN and ``hash`` is 0. Blocks until the results are on the host.
+    Only the counts (numel, nan, posinf, neginf, zero, subnormal, fp16_overflow), ``sum``,
+    ``l2`` and ``absmax`` are computed, with the same values as :func:`tensor_stats`; ``min`` and
+    ``max`` are None and ``hash`` is 0. Blocks until the results are on the host.
     """
     ts = _check(tensors, "gradient_stats")
     ints, floats = torch.ops.trainsan.gradient_stats(ts)

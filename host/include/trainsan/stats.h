@@ -35,8 +35,8 @@ struct PackedStats {
 PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors);
 
 /// The every-step tier's pass (Note [Lean rows], Note [Every-step tier]): like
-/// tensor_stats_packed, but only the counts, l2 and absmax are computed (the sanitizer's
-/// per-step read of the gradients); min, max and sum are NaN and hash is 0. One device.
+/// tensor_stats_packed, but only the counts, sum, l2 and absmax are computed (the sanitizer's
+/// per-step read of the gradients); min and max are NaN and hash is 0. One device.
 PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors);
 
 /// Convert packed results (any device; copied to the host if needed) to TensorStats.
