@@ -52,12 +52,19 @@ def main() -> int:
     ap.add_argument("--settle", type=int, default=30, help="steady steps (plain, and after)")
     ap.add_argument("--reps", type=int, default=3, help="fresh attaches per model")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--opt", action="append", default=[], metavar="NAME=VALUE",
+                    help="an attach option (repeatable), e.g. --opt audit_first_steps=0")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    options = {}
+    for kv in args.opt:
+        k, _, v = kv.partition("=")
+        options[k] = int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), trainsan defaults")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), trainsan options "
+          f"{options or 'defaults'}")
     worst_all = 0.0
     for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         desc, make = bo.MODELS[kind]
@@ -73,7 +80,7 @@ def main() -> int:
             model = copy.deepcopy(base)
             opt = bo.make_optimizer("sgd", model)
             timed(kind, model, opt, batches, 3, 0)  # torch's own first calls, before attach
-            with trainsan.attach(model, opt, policy="record"):
+            with trainsan.attach(model, opt, policy="record", **options):
                 first = timed(kind, model, opt, batches, args.first, rep)
                 steady = statistics.median(timed(kind, model, opt, batches, args.settle, 0))
             steady_meds.append(steady)

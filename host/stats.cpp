@@ -139,6 +139,19 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     d.ndim = nd;
     d.contiguous = (nd == 1 && d.strides[0] == 1) ? 1 : 0;
+    d.mode = modes != nullptr ? static_cast<int32_t>((*modes)[i]) : kn::kModeFull;
+    if (!d.contiguous && d.mode == kn::kModeLean && t.is_non_overlapping_and_dense()) {
+      // Note [Lean rows]: a permutation of a dense block (a transpose, channels_last) is read in
+      // memory order, as one run from logical element 0 (the lowest address: strides are >= 0).
+      d.ndim = 1;
+      d.sizes[0] = d.numel;
+      d.strides[0] = 1;
+      for (int k = 1; k < kn::kMaxDims; ++k) {
+        d.sizes[k] = 1;
+        d.strides[k] = 0;
+      }
+      d.contiguous = 1;
+    }
     // A wrapper subclass (DTensor) or a tensor whose storage was freed (FSDP resizes the
     // storage of unsharded parameters to 0 between uses) has no data to read: refuse it here,
     // where every pass (the step pass included, which skips check_tensors) goes through.
@@ -156,7 +169,6 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
     d.snapshot = nullptr;
-    d.mode = modes != nullptr ? static_cast<int32_t>((*modes)[i]) : kn::kModeFull;
     if (snapshots != nullptr && (*snapshots)[i].defined() && d.numel > 0) {
       const at::Tensor& snap = (*snapshots)[i];
       TORCH_INTERNAL_ASSERT(snap.is_contiguous() && snap.numel() == d.numel &&

@@ -63,7 +63,10 @@ struct TensorDesc {
 //               (numel, nan, ±inf, zero, subnormal, fp16_overflow), sum, sumsq and absmax; no
 //               fingerprint, no min or max — their packed columns hold NaN (hash 0). sum and
 //               sumsq are accumulated in the same order as in the other modes, so a lean row's
-//               sum, l2 and absmax have the same bits as a full row's.
+//               sum, l2 and absmax have the same bits as a full row's — except for a tensor that
+//               is a permutation of a dense block (a transpose, channels_last): the lean pass
+//               reads it in memory order, at the speed of a contiguous one, so its sum and l2
+//               agree with the full row's to float64 rounding (the counts and absmax exactly).
 // A snapshot (update statistics) is honoured in every mode.
 enum PassMode : int32_t { kModeFull = 0, kModeNoHash = 1, kModeLean = 2 };
 
