@@ -25,17 +25,18 @@ import torch.nn.functional as F
 
 
 class GPT(torch.nn.Module):
-    def __init__(self, vocab, d, layers, heads, seq):
+    def __init__(self, vocab, d, layers, heads, seq, dropout=0.1, tied=True):
         super().__init__()
         self.tok = torch.nn.Embedding(vocab, d)
         self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.01)
         layer = torch.nn.TransformerEncoderLayer(
-            d, heads, 4 * d, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
+            d, heads, 4 * d, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
         )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(d)
         self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        if tied:
+            self.head.weight = self.tok.weight  # as in GPT-2
         self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
 
     def forward(self, idx):

@@ -71,23 +71,12 @@ class MLP(torch.nn.Module):
         return x
 
 
-class Transformer(torch.nn.Module):
-    def __init__(self, vocab=8192, d=512, layers=4, heads=8, seq=256):
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.01)
-        layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
-                                                 batch_first=True, norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
+def Transformer(vocab=8192, d=512, layers=4, heads=8, seq=256):  # noqa: N802 (a model factory)
+    """bench_gpt2_gpu.py's GPT without dropout and with an untied head."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gpt2_gpu import GPT
 
-    def forward(self, idx):
-        t = idx.shape[1]
-        h = self.tok(idx) + self.pos[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
-        return self.head(self.norm(h))
+    return GPT(vocab, d, layers, heads, seq, dropout=0.0, tied=False)
 
 
 def make_job(kind: str, dev: torch.device, dtype: str, tiny: bool = False):

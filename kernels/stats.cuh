@@ -225,33 +225,7 @@ TRAINSAN_HD ElemClass classify(T v, typename ElemTraits<T>::Acc x) {
   return c;
 }
 
-// Add one element (value v at logical index `index`) to a record. The GPU kernel calls this per
-// element; the CPU backend runs the same classify/hash_term maths in lane-parallel form.
-template <typename T, bool kHash = true>
-TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
-  using Tr = ElemTraits<T>;
-  const auto x = Tr::value(v);
-  const ElemClass c = classify<T>(v, x);
-  r.numel += 1;
-  r.nan += c.nan;
-  r.posinf += c.posinf;
-  r.neginf += c.neginf;
-  r.zero += c.zero;
-  r.subnormal += c.subnormal;
-  r.fp16_overflow += c.overflow;
-  if constexpr (kHash) r.hash += hash_term(static_cast<uint64_t>(Tr::bits(v)), index);
-  const double d = c.finite ? static_cast<double>(x) : 0.0;
-  // Note [Signed zero]: min and max see -0 as +0 (d + 0.0 is +0 for both zeros), so which zero
-  // they return cannot depend on the order of comparisons: CPU and GPU give the same bits.
-  const double dm = d + 0.0;
-  r.min = min_(r.min, c.finite ? dm : INFINITY);
-  r.max = max_(r.max, c.finite ? dm : -INFINITY);
-  r.absmax = max_(r.absmax, d < 0 ? -d : d);
-  r.sum += d;
-  r.sumsq += d * d;
-}
-
-// Note [Lean rows]: the counts, sum, sumsq and absmax of accumulate(), nothing else (min/max keep
+// Note [Lean rows]: the counts, sum, sumsq and absmax of one element, nothing else (min/max keep
 // their identities and are written as NaN by pack_record(..., lean = true)).
 template <typename T>
 TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
@@ -269,6 +243,23 @@ TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
   r.absmax = max_(r.absmax, d < 0 ? -d : d);
   r.sum += d;
   r.sumsq += d * d;
+}
+
+// Add one element (value v at logical index `index`) to a record: the lean fields, the hash, min
+// and max. The GPU kernel calls this per element; the CPU backend runs the same classify/hash_term
+// maths in lane-parallel form.
+template <typename T, bool kHash = true>
+TRAINSAN_HD void accumulate(StatsRecord& r, T v, int64_t index) {
+  using Tr = ElemTraits<T>;
+  accumulate_lean<T>(r, v);
+  if constexpr (kHash) r.hash += hash_term(static_cast<uint64_t>(Tr::bits(v)), index);
+  const auto x = Tr::value(v);
+  const bool finite = classify<T>(v, x).finite != 0;
+  // Note [Signed zero]: min and max see -0 as +0 (d + 0.0 is +0 for both zeros), so which zero
+  // they return cannot depend on the order of comparisons: CPU and GPU give the same bits.
+  const double dm = (finite ? static_cast<double>(x) : 0.0) + 0.0;
+  r.min = min_(r.min, finite ? dm : INFINITY);
+  r.max = max_(r.max, finite ? dm : -INFINITY);
 }
 
 // Note [Update]

@@ -118,6 +118,31 @@ inline __attribute__((always_inline)) T load(const T* p, int64_t i) {
 
 enum class BlockKind { kFull, kOrdinary, kOrdinaryNoZero };
 
+// Per-lane class counts of the lane-parallel loops (Note [Element classes]), merged into a record
+// in lane order.
+struct LaneCounts {
+  uint32_t nan[kLanes] = {}, pinf[kLanes] = {}, ninf[kLanes] = {}, zero[kLanes] = {},
+           sub[kLanes] = {}, ovf[kLanes] = {};
+  inline __attribute__((always_inline)) void add(int l, const ElemClass& c) {
+    nan[l] += c.nan;
+    pinf[l] += c.posinf;
+    ninf[l] += c.neginf;
+    zero[l] += c.zero;
+    sub[l] += c.subnormal;
+    ovf[l] += c.overflow;
+  }
+  void merge(StatsRecord& r) const {
+    for (int l = 0; l < kLanes; ++l) {
+      r.nan += nan[l];
+      r.posinf += pinf[l];
+      r.neginf += ninf[l];
+      r.zero += zero[l];
+      r.subnormal += sub[l];
+      r.fp16_overflow += ovf[l];
+    }
+  }
+};
+
 // One read of a block (it stays in L1 for the body): the largest |bits|, the smallest, and the
 // smallest |bits| - 1 (zero wraps to the top, so this is the smallest nonzero |bits|, minus 1).
 template <typename T>
@@ -147,8 +172,7 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
                                                       StatsRecord* out) {
   using Tr = ElemTraits<T>;
   using Acc = typename Tr::Acc;
-  uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
-           c_sub[kLanes] = {}, c_ovf[kLanes] = {};
+  LaneCounts cnt;
   Acc mn[kLanes], mx[kLanes];
   double s[kLanes] = {}, ss[kLanes] = {};
   uint64_t h[kLanes] = {};
@@ -172,7 +196,7 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
             const T v = load(p, i + l);
             const auto bits = Tr::bits(v);
             const Acc x = Tr::value(v);
-            if constexpr (decltype(count_zero)::value) c_zero[l] += (bits & Tr::kAbsMask) == 0;
+            if constexpr (decltype(count_zero)::value) cnt.zero[l] += (bits & Tr::kAbsMask) == 0;
             const Acc xm = x + Acc(0);  // Note [Signed zero]
             mn[l] = xm < mn[l] ? xm : mn[l];
             mx[l] = xm > mx[l] ? xm : mx[l];
@@ -202,12 +226,7 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
           const T v = load(p, i + l);
           const Acc x = Tr::value(v);
           const ElemClass c = classify<T>(v, x);
-          c_nan[l] += c.nan;
-          c_pinf[l] += c.posinf;
-          c_ninf[l] += c.neginf;
-          c_zero[l] += c.zero;
-          c_sub[l] += c.subnormal;
-          c_ovf[l] += c.overflow;
+          cnt.add(l, c);
           const Acc xf = c.finite ? x : Acc(0);
           const Acc xm = x + Acc(0);  // Note [Signed zero]
           const Acc xlo = c.finite ? xm : std::numeric_limits<Acc>::infinity();
@@ -227,13 +246,8 @@ inline __attribute__((always_inline)) void chunk_body(const T* p, int64_t base, 
   }
   StatsRecord r;
   init_record(r);
+  cnt.merge(r);
   for (int l = 0; l < kLanes; ++l) {
-    r.nan += c_nan[l];
-    r.posinf += c_pinf[l];
-    r.neginf += c_ninf[l];
-    r.zero += c_zero[l];
-    r.subnormal += c_sub[l];
-    r.fp16_overflow += c_ovf[l];
     r.min = min_(r.min, static_cast<double>(mn[l]));
     r.max = max_(r.max, static_cast<double>(mx[l]));
     r.sum += s[l];
@@ -258,8 +272,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
   using Tr = ElemTraits<T>;
   using Acc = typename Tr::Acc;
   using Bits = typename Tr::Bits;
-  uint32_t c_nan[kLanes] = {}, c_pinf[kLanes] = {}, c_ninf[kLanes] = {}, c_zero[kLanes] = {},
-           c_sub[kLanes] = {}, c_ovf[kLanes] = {};
+  LaneCounts cnt;
   double s[kLanes] = {}, ss[kLanes] = {};
   Bits amax[kLanes] = {};
   Bits block_max = 0;
@@ -278,7 +291,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
           for (int l = 0; l < kLanes; ++l) {
             const T v = load(p, i + l);
             if constexpr (decltype(with_zero)::value) {
-              c_zero[l] += (Tr::bits(v) & Tr::kAbsMask) == 0;
+              cnt.zero[l] += (Tr::bits(v) & Tr::kAbsMask) == 0;
             }
             const double d = static_cast<double>(Tr::value(v));
             s[l] += d;
@@ -299,12 +312,7 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
         const T v = load(p, i + l);
         const Acc x = Tr::value(v);
         const ElemClass c = classify<T>(v, x);
-        c_nan[l] += c.nan;
-        c_pinf[l] += c.posinf;
-        c_ninf[l] += c.neginf;
-        c_zero[l] += c.zero;
-        c_sub[l] += c.subnormal;
-        c_ovf[l] += c.overflow;
+        cnt.add(l, c);
         const Bits a = c.finite ? static_cast<Bits>(Tr::bits(v) & Tr::kAbsMask) : Bits{0};
         amax[l] = a > amax[l] ? a : amax[l];
         const double d = static_cast<double>(c.finite ? x : Acc(0));
@@ -315,13 +323,8 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
   }
   StatsRecord r;
   init_record(r);
+  cnt.merge(r);
   for (int l = 0; l < kLanes; ++l) {
-    r.nan += c_nan[l];
-    r.posinf += c_pinf[l];
-    r.neginf += c_ninf[l];
-    r.zero += c_zero[l];
-    r.subnormal += c_sub[l];
-    r.fp16_overflow += c_ovf[l];
     r.sum += s[l];
     r.sumsq += ss[l];
     block_max = amax[l] > block_max ? amax[l] : block_max;
