@@ -291,13 +291,24 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
   std::map<DevKey, std::vector<size_t>> which;
   for (size_t i = 0; i < params.size(); ++i) {
     if (opt >= 0 && params[i].opt != opt) continue;
-    const at::Tensor g = params[i].local.defined() ? params[i].local_grad : params[i].param.grad();
-    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0) continue;
+    // Distributed parameters (DTensor, FSDP2) are left out: their local shards reach the
+    // sanitizer after the step (local_shards), and the gradient itself is a tensor subclass.
+    if (params[i].local.defined()) continue;
+    const at::Tensor& g = params[i].param.grad();
+    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0 ||
+        g.unsafeGetTensorImpl()->is_python_dispatch()) {
+      continue;
+    }
     grads_of[key_of(g)].push_back(g.detach());
     which[key_of(g)].push_back(i);
   }
   for (const auto& [dev, gs] : grads_of) {
-    const PackedStats packed = gradient_stats_packed(gs);
+    PackedStats packed;
+    try {
+      packed = gradient_stats_packed(gs);
+    } catch (const c10::Error&) {
+      continue;  // a gradient the pass cannot read (dtype, freed storage): never stop for that
+    }
     if (packed.ints.is_cuda()) {
       stop_if_nonfinite(packed);
       continue;
