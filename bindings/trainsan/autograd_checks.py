@@ -79,21 +79,6 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return _ops.fingerprints([t])[0]
 
 
-def _fingerprints(ts: list) -> torch.Tensor:
-    """int64 [len(ts), 13]: one fused pass per device."""
-    by_dev: dict = {}
-    for i, t in enumerate(ts):
-        by_dev.setdefault(t.device, []).append(i)
-    if len(by_dev) == 1:
-        return _ops.fingerprints(ts)
-    rows: list = [None] * len(ts)
-    for dev, idx in by_dev.items():
-        out = _ops.fingerprints([ts[i] for i in idx])
-        for k, i in enumerate(idx):
-            rows[i] = out[k]
-    return rows  # type: ignore[return-value]
-
-
 def _node_name() -> str:
     n = torch._C._current_autograd_node()
     return type(n).__name__ if n is not None else ""
@@ -207,17 +192,17 @@ class SavedTensorCheck:
         pending = [r for r in pending if _resident(r.alias)]
         if not pending:
             return
-        try:
-            after = _fingerprints([r.alias for r in pending])
-            if isinstance(after, torch.Tensor):
-                before = torch.stack([r.before for r in pending])
-                changed = (after != before).any(1).tolist()
-            else:  # several devices
-                changed = [bool((a != r.before).any()) for a, r in zip(after, pending)]
-        except Exception:
-            return
-        for r, c in zip(pending, changed):
-            r.changed = bool(c)
+        by_dev: dict = {}
+        for r in pending:
+            by_dev.setdefault(r.alias.device, []).append(r)
+        for group in by_dev.values():  # one fused pass per device
+            try:
+                after = _ops.fingerprints([r.alias for r in group])
+                changed = (after != torch.stack([r.before for r in group])).any(1).tolist()
+            except Exception:
+                continue
+            for r, c in zip(group, changed):
+                r.changed = bool(c)
 
     def _unpack(self, rec: _Saved) -> torch.Tensor:
         a = rec.alias
