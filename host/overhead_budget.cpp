@@ -28,7 +28,7 @@ void OverheadBudget::observe(double interval_s, double own_s, bool snapshot) {
   const size_t n = std::min(n_intervals_, kWindow);
   std::nth_element(recent.begin(), recent.begin() + n / 2, recent.begin() + n);
   const double plain = std::max(recent[n / 2], 1e-9);
-  const double allowed = budget_ * plain;
+  const double allowed = kMeasuredShare * budget_ * plain;
   const double extra = std::max(snap_ - base_, 0.0);
   if (base_ + extra <= allowed) {
     period_ = 1;

@@ -143,6 +143,7 @@ void Sanitizer::backward_without_graph() {
 
 void Sanitizer::step_begin(int64_t opt) {
   impl_->grads.set_in_step(true);
+  impl_->record_versions(opt);
   impl_->check_updates_outside_step(opt);
   impl_->stop_before_step(opt);
   report();

@@ -98,6 +98,14 @@ struct SanitizerImpl {
   OverheadBudget budget{opts.enabled("update_outside_step") ? 0.0 : opts.overhead_budget,
                         opts.overhead_warmup};
   std::map<int64_t, int64_t> snapshot_step;
+  // Note [Version trigger] (overhead_budget.h): per optimizer, its parameters' version counters at
+  // its step's begin (-1: no gradient then), whether its previous step left one of them unmoved,
+  // and the step a trigger made an update step.
+  std::map<int64_t, std::vector<int64_t>> versions_at_begin;
+  std::map<int64_t, bool> unmoved_last;
+  std::map<int64_t, int64_t> forced_update;
+  void record_versions(int64_t opt);
+  bool versions_unmoved(int64_t opt);
   std::chrono::steady_clock::time_point last_step_end{};
   double overhead_at_last_step_end = 0.0;
   Coverage coverage;                  // what was checked (Sanitizer::coverage)

@@ -202,8 +202,15 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     const int64_t opt_key = manual ? -1 : opt;
     const auto last_snap = snapshot_step.find(opt_key);
     const bool fresh = (last_snap == snapshot_step.end() ? -1 : last_snap->second) == p->step - 1;
-    const bool due = budget.update_due(p->step);
-    const bool due_next = budget.update_due(p->step + 1);
+    // Note [Version trigger]: a step that wrote none of some parameter with a gradient makes the
+    // next step an update step (this one writes its snapshot).
+    const bool unmoved = !manual && versions_unmoved(opt);
+    const bool trigger = unmoved && !lr_zero && !p->partial;
+    if (trigger) forced_update[opt_key] = p->step + 1;
+    const auto forced = forced_update.find(opt_key);
+    const bool due =
+        budget.update_due(p->step) || (forced != forced_update.end() && forced->second == p->step);
+    const bool due_next = trigger || budget.update_due(p->step + 1);
     with_snapshot = opts.track_updates && (due || due_next);
     // Note [Every-step tier]: the parameters are read with the update statistics (the step that
     // writes the snapshot and the step that reads it), on traced and replica steps.
@@ -277,6 +284,34 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   overhead_at_last_step_end = overhead_s;
   coverage.update_period = budget.period();
   if (replica_driver) replica_driver->on_event(manual ? -1 : opt, /*skipped=*/false);
+}
+
+void SanitizerImpl::record_versions(int64_t opt) {
+  if (closed || budget.budget() <= 0.0) return;  // no budget: every step has update statistics
+  std::vector<int64_t>& v = versions_at_begin[opt];
+  v.assign(params.size(), -1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& prm = params[i].param;
+    if (params[i].opt != opt || !prm.requires_grad() || !prm.grad().defined()) continue;
+    v[i] = static_cast<int64_t>(prm._version());
+  }
+}
+
+bool SanitizerImpl::versions_unmoved(int64_t opt) {
+  const auto it = versions_at_begin.find(opt);
+  if (it == versions_at_begin.end()) return false;  // no pre-hook for this step
+  const std::vector<int64_t> before = std::move(it->second);
+  versions_at_begin.erase(it);
+  bool unmoved = false;
+  for (size_t i = 0; i < before.size() && i < params.size() && !unmoved; ++i) {
+    unmoved = before[i] >= 0 && static_cast<int64_t>(params[i].param._version()) == before[i];
+  }
+  // Only the first step of a run of such steps: an optimizer that writes through .data (no
+  // version moves, LibTorch's SGD) or skips a tensor on purpose costs one update step, not all.
+  bool& last = unmoved_last[opt];
+  const bool first = unmoved && !last;
+  last = unmoved;
+  return first;
 }
 
 // Note [Device stop] (kernels/stats.cu) with option device_stop: before optimizer `opt` steps, a

@@ -157,3 +157,75 @@ def test_device_stop_off_by_default_and_silent_on_clean_steps():
          * float("nan")).backward()
         opt.step()  # no device_stop: reported, not stopped
     assert any(f.kind == "nonfinite_grad" for f in san.findings)
+
+
+def _swap_to_copies(opt):
+    """The bug "the optimizer holds other tensors than the model's": its groups now hold copies."""
+    for group in opt.param_groups:
+        group["params"] = [p.detach().clone().requires_grad_() for p in group["params"]]
+
+
+def test_a_step_that_writes_no_parameter_makes_the_next_step_an_update_step():
+    # Note [Version trigger]: with a budget so small that updates are sampled every 50 steps,
+    # "changed no parameter" still comes at most one step after the step that wrote nothing.
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", overhead_warmup=2,
+                         overhead_budget=1e-9) as san:
+        for i in range(23):
+            _step(model, opt, i)
+        assert san.coverage()["update_period"] == 50
+        _swap_to_copies(opt)
+        bad_step = san.step
+        for i in range(23, 27):
+            _step(model, opt, i)
+    skipped = [f for f in san.findings if f.kind == "skipped_step"]
+    assert skipped, san.findings
+    assert "changed no parameter" in skipped[0].message
+    assert bad_step <= skipped[0].step <= bad_step + 1
+
+
+def test_a_parameter_left_unwritten_is_found_one_step_later():
+    model, opt = _setup()
+    with trainsan.attach(model, opt, policy="record", overhead_warmup=2,
+                         overhead_budget=1e-9) as san:
+        for i in range(23):
+            _step(model, opt, i)
+        # A custom step that silently leaves one weight out.
+        group = opt.param_groups[0]
+        group["params"] = [p if p is not model[2].weight else p.detach().clone().requires_grad_()
+                           for p in group["params"]]
+        bad_step = san.step
+        for i in range(23, 27):
+            _step(model, opt, i)
+    left = [f for f in san.findings if f.kind == "skipped_step"]
+    assert left and "2.weight" in left[0].message, san.findings
+    assert bad_step <= left[0].step <= bad_step + 1
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """An update through .data (no version counter moves), as old optimizers and LibTorch's SGD
+    write: healthy, and must not make every step an update step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def test_updates_through_data_cost_one_extra_update_step_not_every_step():
+    model, _ = _setup()
+    opt = _DataSGD(model.parameters(), lr=0.05)
+    with trainsan.attach(model, opt, policy="record", overhead_warmup=2,
+                         overhead_budget=1e-9) as san:
+        for i in range(120):
+            _step(model, opt, i)
+        cov = san.coverage()
+    assert cov["update_period"] == 50
+    # warm-up 2, the sampled ones (every 50th) and the one trigger at the first unmoved step.
+    assert cov["update_steps"] <= 2 + 3 + 1, cov
+    assert [f for f in san.findings if f.severity == "error"] == []
