@@ -448,6 +448,10 @@ def main(argv=None) -> int:
                     help="also time TrainSan's C++ calls and run trainsan with "
                          "track_updates=False (snapshot/update cost)")
     ap.add_argument("--no-anomaly", action="store_true", help="skip the anomaly contender")
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated contenders to run besides plain (default: all of "
+                         "trainsan, trainsan-full, anomaly, pure-python, and with --breakdown "
+                         "trainsan-noupd, trainsan-audit1); fewer contenders, more rounds a minute")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -470,6 +474,13 @@ def main(argv=None) -> int:
     if not args.no_anomaly:
         names.append("anomaly")
     names.append("pure-python")
+    if args.contenders:
+        wanted = [n.strip() for n in args.contenders.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            ap.error(f"--contenders: unknown {', '.join(unknown)} (choose from "
+                     f"{', '.join(n for n in names if n != 'plain')})")
+        names = ["plain"] + [n for n in wanted if n != "plain"]
     warnings.filterwarnings("ignore", message=".*[Aa]nomaly [Dd]etection.*")
     warnings.filterwarnings("ignore", message=".*nested tensor.*")
 
