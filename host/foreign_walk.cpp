@@ -25,15 +25,14 @@ void SanitizerImpl::foreign_backward(const ForeignBackward& facts) {
   foreign_latest = facts;
 }
 
-void SanitizerImpl::walk_loss(const at::Tensor& loss) {
-  if (closed || setup.gathers_events || !loss.defined() || !loss.grad_fn()) return;
-  if (param_impls.empty()) {  // once: the parameters of a LibTorch sanitizer are fixed
+int SanitizerImpl::walk(const at::Tensor& loss, ForeignBackward* f) {
+  if (!loss.defined() || !loss.grad_fn()) return -1;
+  if (param_impls.empty()) {  // once: the parameters of a sanitizer are fixed
     for (const TrackedParam& p : params) param_impls.push_back(p.param.unsafeGetTensorImpl());
     std::sort(param_impls.begin(), param_impls.end(), std::less<const void*>());
   }
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
-  ForeignBackward f;
   int64_t budget = kWalkLimit;
   while (!stack.empty() && budget > 0) {
     torch::autograd::Node* node = stack.back();
@@ -44,16 +43,27 @@ void SanitizerImpl::walk_loss(const at::Tensor& loss) {
       const void* impl = acc->variable.unsafeGetTensorImpl();
       if (std::binary_search(param_impls.begin(), param_impls.end(), impl,
                              std::less<const void*>())) {
-        return;  // our loss
+        return 1;  // our loss
       }
-      f.leaves += 1;
-      f.elements += acc->variable.numel();
+      f->leaves += 1;
+      f->elements += acc->variable.numel();
     }
     for (const torch::autograd::Edge& e : node->next_edges()) {
       if (e.function) stack.push_back(e.function.get());
     }
   }
-  if (stack.empty()) foreign_backward(f);  // walked to its end (not out of budget)
+  return stack.empty() ? 0 : -1;  // walked to its end, or out of budget
+}
+
+void SanitizerImpl::walk_loss(const at::Tensor& loss) {
+  if (closed || setup.gathers_events || !loss.defined() || !loss.grad_fn()) return;
+  ForeignBackward f;
+  if (walk(loss, &f) == 0) foreign_backward(f);  // walked to its end (not out of budget)
+}
+
+int SanitizerImpl::loss_reaches(const at::Tensor& loss) {
+  ForeignBackward unused;
+  return closed ? -1 : walk(loss, &unused);
 }
 
 }  // namespace trainsan::host

@@ -353,6 +353,8 @@ std::map<std::string, TensorStats> Sanitizer::last_stats() const { return impl_-
 
 int64_t Sanitizer::step() const { return impl_->step; }
 
+int64_t Sanitizer::loss_reaches(const at::Tensor& loss) { return impl_->loss_reaches(loss); }
+
 double Sanitizer::overhead_seconds() const { return impl_->overhead_s; }
 
 bool Sanitizer::hooks_installed() const { return impl_->grads.installed(); }

@@ -144,6 +144,10 @@ struct SanitizerImpl {
   /// A LibTorch loss (Setup::gathers_events false): its graph walked as Note [Loss roots] does in
   /// Python, reported to foreign_backward when it reaches none of our parameters.
   void walk_loss(const at::Tensor& loss);
+  // The walk from `loss` (Note [Foreign backwards]): 1 when it reaches one of the parameters, 0
+  // when it ends without (the other leaves counted in *f), -1 out of budget or no graph.
+  int walk(const at::Tensor& loss, ForeignBackward* f);
+  int loss_reaches(const at::Tensor& loss);
   // Note [Accumulation windows]: since the previous optimizer step (outside steps), training
   // losses and training forwards, the forwards' batch sizes summed (-1: one unknown), the first
   // one's and whether all were equal; the latest known data loader pass.

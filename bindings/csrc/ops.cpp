@@ -283,6 +283,16 @@ TORCH_LIBRARY(trainsan, m) {
       .def("loss_targets",
            [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
       .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
+      .def("loss_reaches", [](const H& h, at::Tensor loss) { return h->san->loss_reaches(loss); })
+      // One call per training forward for what the gatherers ask then (Note [Gatherers]): the
+      // step and whether the saved-tensor check, a re-run, a recompute check, the precision
+      // headroom and overflow provenance are due.
+      .def("due",
+           [](const H& h) {
+             const trainsan::Sanitizer& s = *h->san;
+             return std::make_tuple(s.step(), s.inplace_check_step(), s.rerun_due(),
+                                    s.recompute_due(), s.headroom_due(), s.provenance_armed());
+           })
       .def("recompute_due", [](const H& h) { return h->san->recompute_due(); })
       .def("rerun_result",
            [](const H& h, FactsDict facts) {

@@ -12,6 +12,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from . import _compile
+from ._hooks import DUE_INPLACE
 from .recompute import RecomputeWatch
 
 # Note [Gatherers]
@@ -117,14 +118,15 @@ class SavedTensors(Gatherer):
     """inplace_before_backward (autograd_checks.SavedTensorCheck): its saved-tensor hooks on the
     sampled steps, from the training forward until the step."""
 
-    def __init__(self, check, handle) -> None:
+    def __init__(self, check, handle, due: Callable[[int], Any]) -> None:
         self._check = check
         self._handle = handle
+        self._due = due  # the sanitizer's _due_flag, held weakly
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
         if not train:
             return
-        if self._handle.inplace_check_step():
+        if self._due(DUE_INPLACE):
             self._check.begin()
         else:
             self._check.end()

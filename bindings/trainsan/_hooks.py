@@ -46,6 +46,9 @@ from ._patches import Patch
 
 _EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
 
+# Sanitizer._due_flag(i): the fields of the handle's due() tuple, asked once per training forward.
+DUE_STEP, DUE_INPLACE, DUE_RERUN, DUE_RECOMPUTE, DUE_HEADROOM, DUE_PROVENANCE = range(6)
+
 
 class _Hook:
     """A module/optimizer hook that calls `method` of a sanitizer held weakly (Note [Sanitizer

@@ -275,6 +275,15 @@ def _loss_owners(root: torch.Tensor) -> list:
     targets = cands + [s for s in opened if s._last_train_forward < 0 and s._optimizers]
     if not targets:
         return []
+    if len(targets) == 1 and cands and not cands[0]._fsdp_ids:
+        # One sanitizer to attribute to, holding its own parameters: the walk in C++ (the same
+        # walk, without a Python object per node); a root that does not reach them is walked
+        # again below, for the foreign-backward facts.
+        try:
+            if cands[0]._handle.loss_reaches(root) == 1:
+                return cands
+        except Exception:  # noqa: BLE001 - the Python walk below decides
+            pass
     found: dict = {}
     leaves = {s: s._grad_leaf_ids() for s in targets}  # looked up once a walk, not once a node
     reached: list = []  # the requires-grad leaves reached (none of them a missed target's)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import _native
+from ._hooks import DUE_RERUN
 from ._facts import _local
 from .precision import _float_tensors
 from .replicas import fingerprints
@@ -70,7 +71,7 @@ class Rerun:
         if self._forwards > 1:  # accumulation: the step's gradients are not one backward's
             self._rec = None
             return
-        if san is None or self.disabled or not san._handle.rerun_due() or _distributed():
+        if san is None or self.disabled or not san._due_flag(DUE_RERUN) or _distributed():
             return
         bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
         rec = _Recorded(args, kwargs, _rng(), bufs)

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from . import _native
+from ._hooks import DUE_HEADROOM, DUE_PROVENANCE, DUE_STEP
 from ._facts import _local, run_guarded
 from .stats import FLOAT_FIELDS
 
@@ -119,12 +120,12 @@ class Provenance:
         san = self._san_ref()
         if san is None or self.disabled:
             return
-        self._step = san._handle.step()
+        self._step = san._due_flag(DUE_STEP)
         # Once per step number (a skipped step repeats it).
-        self._headroom = san._handle.headroom_due() and self._step != self._headroom_step
+        self._headroom = san._due_flag(DUE_HEADROOM) and self._step != self._headroom_step
         if self._headroom:
             self._headroom_step = self._step
-        if not (self._headroom or san._handle.provenance_armed()):
+        if not (self._headroom or san._due_flag(DUE_PROVENANCE)):
             return
         self._forward = _Pass()
         self._backward = _Pass()

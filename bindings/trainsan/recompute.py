@@ -23,6 +23,7 @@ import torch
 import torch.utils.checkpoint as _tuc
 
 from . import _native
+from ._hooks import DUE_RECOMPUTE
 from ._facts import _local
 from .determinism import _rng
 from .precision import _float_tensors
@@ -239,7 +240,7 @@ class RecomputeWatch:
         if self._sampling:
             return
         san = self._ref()
-        if san is None or san._closed or not _installed or not san._handle.recompute_due():
+        if san is None or san._closed or not _installed or not san._due_flag(DUE_RECOMPUTE):
             return
         self._sampling = True
         _sampling[0] += 1

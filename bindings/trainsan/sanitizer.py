@@ -95,6 +95,7 @@ class Sanitizer:
         self._parts = []
         self._calls = event_calls([])
         self._tracing = bool(trace)  # a trace is written: step fingerprints of the targets
+        self._due: Optional[tuple] = None  # the handle's due() during a training forward's members
         self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
         self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
         self._last_train_forward = -1  # _forward_clock at this model's latest training forward
@@ -191,7 +192,7 @@ class Sanitizer:
                 {id(b) for b in model.buffers()},
                 _weak_method(self._apply),
                 _weak_method(self._add_py),
-            ), handle))
+            ), handle, _weak_method(self._due_flag)))
         if enabled("bad_custom_grad", checks):
             # Under several processes only when gradcheck_every was asked for (CustomGradCheck).
             self._parts.append(CustomGrads(CustomGradCheck(
@@ -301,11 +302,24 @@ class Sanitizer:
             lpass, workers, init, batch
         )
         train = training and torch.is_grad_enabled()
-        for call in self._calls["on_forward"]:
-            call(args, kwargs, train)
+        # What the members ask at a training forward, in one call (Sanitizer._due_flag).
+        self._due = self._handle.due() if train else None
+        try:
+            for call in self._calls["on_forward"]:
+                call(args, kwargs, train)
+        finally:
+            self._due = None
         self._py_overhead += time.perf_counter() - t0
         self._apply(found)
         return None
+
+    def _due_flag(self, i: int) -> Any:
+        """Field `i` (DUE_* in _hooks.py) of the handle's due(): the step, and whether the
+        saved-tensor check, a re-run, a recompute check, the precision headroom and overflow
+        provenance are due — from the one call a training forward makes for its members, or
+        asked now outside one."""
+        due = self._due
+        return (due if due is not None else self._handle.due())[i]
 
     def _add_py(self, seconds: float) -> None:
         self._py_overhead += seconds

@@ -143,6 +143,28 @@ TEST(LibTorchKinds, ALossOfTheModelBeforeACopyIsMissingGrad) {
   }
 }
 
+// Sanitizer::loss_reaches: the graph walk alone, hand-built cases: a loss of the attached model
+// (1, also mixed with another model's), of another model (0, also with ours detached), a tensor
+// with no graph (-1), and after close (-1).
+TEST(LibTorchKinds, LossReachesSaysWhoseGraphALossIs) {
+  torch::manual_seed(0);
+  Net net;
+  Net other;
+  torch::optim::SGD opt(net.parameters(), 0.05);
+  auto san = trainsan::attach(net, opt, record());
+  const auto x = batch(0);
+  EXPECT_EQ(san.loss_reaches(net.forward(x).sum()), 1);
+  EXPECT_EQ(san.loss_reaches(other.forward(x).sum()), 0);
+  EXPECT_EQ(san.loss_reaches((other.forward(x) * net.forward(x).detach()).sum()), 0);
+  EXPECT_EQ(san.loss_reaches((other.forward(x) * net.forward(x)).sum()), 1);  // and another's
+  EXPECT_EQ(san.loss_reaches(torch::ones({1})), -1);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(san.loss_reaches(net.forward(x).sum()), -1);
+  }
+  san.close();
+  EXPECT_EQ(san.loss_reaches(net.forward(x).sum()), -1);
+}
 TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
   std::set<std::string> reached = {"rank_desync"};  // tests/cpp/test_replicas_pg.cpp
   auto expect = [&](const std::string& kind, const std::set<std::string>& found) {

@@ -398,6 +398,10 @@ class Sanitizer {
   /// Statistics of the last checked step, by name: "<param>.grad", "<param>", "<param>.update".
   std::map<std::string, TensorStats> last_stats() const;
   int64_t step() const;
+  /// Whether the autograd graph of `loss` reaches one of the attached parameters: 1 yes, 0 no
+  /// (walked to its end), -1 could not tell (no graph, or past 20000 nodes). A walk in C++, as
+  /// the Python package's loss-root attribution makes (Note [Loss roots]).
+  int64_t loss_reaches(const at::Tensor& loss);
   double overhead_seconds() const;
   /// True while the gradient hooks are installed (until close()).
   bool hooks_installed() const;
