@@ -179,25 +179,27 @@ struct SanitizerHandle : torch::CustomClassHolder {
   }
 };
 
+// Note [Lean rows]: the every-step pass over detached views of `tensors` (one device).
+trainsan::PackedStats lean_stats(at::TensorList tensors) {
+  std::vector<at::Tensor> ts;
+  ts.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) ts.push_back(t.detach());
+  return trainsan::gradient_stats_packed(ts);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trainsan, m) {
   m.def("tensor_stats(Tensor[] tensors) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
   // Note [Lean rows]: the every-step tier's pass over tensors of one device (bench, tests).
   m.def("gradient_stats(Tensor[] tensors) -> (Tensor, Tensor)", [](at::TensorList tensors) {
-    std::vector<at::Tensor> ts;
-    ts.reserve(tensors.size());
-    for (const at::Tensor& t : tensors) ts.push_back(t.detach());
-    const trainsan::PackedStats p = trainsan::gradient_stats_packed(ts);
+    const trainsan::PackedStats p = lean_stats(tensors);
     return std::make_tuple(p.ints, p.floats);
   });
   // Note [Saved-tensor fingerprint] (autograd_checks.py): the lean rows of tensors of one device
   // as one int64 [N, 13] tensor (the int columns, then the float columns' bits), on that device.
   m.def("fingerprints(Tensor[] tensors) -> Tensor", [](at::TensorList tensors) {
-    std::vector<at::Tensor> ts;
-    ts.reserve(tensors.size());
-    for (const at::Tensor& t : tensors) ts.push_back(t.detach());
-    const trainsan::PackedStats p = trainsan::gradient_stats_packed(ts);
+    const trainsan::PackedStats p = lean_stats(tensors);
     return at::cat({p.ints, p.floats.view(at::kLong)}, 1);
   });
   m.def("cuda_compiled() -> bool", &cuda_compiled_op);
