@@ -159,46 +159,46 @@ def test_device_stop_off_by_default_and_silent_on_clean_steps():
     assert any(f.kind == "nonfinite_grad" for f in san.findings)
 
 
-def _swap_to_copies(opt):
+def _swap_to_copies(model, opt):
     """The bug "the optimizer holds other tensors than the model's": its groups now hold copies."""
     for group in opt.param_groups:
         group["params"] = [p.detach().clone().requires_grad_() for p in group["params"]]
 
 
-def test_a_step_that_writes_no_parameter_makes_the_next_step_an_update_step():
-    # Note [Version trigger]: with a budget so small that updates are sampled every 50 steps,
-    # "changed no parameter" still comes at most one step after the step that wrote nothing.
+def _leave_out_one_weight(model, opt):
+    """A custom step that silently leaves one weight out (it steps a copy of 2.weight)."""
+    group = opt.param_groups[0]
+    group["params"] = [p if p is not model[2].weight else p.detach().clone().requires_grad_()
+                       for p in group["params"]]
+
+
+def _skipped_after(sabotage):
+    """skipped_step findings of a run whose updates are sampled every 50 steps, `sabotage`d after
+    23 steps, and the step it was done at."""
     model, opt = _setup()
     with trainsan.attach(model, opt, policy="record", overhead_warmup=2,
                          overhead_budget=1e-9) as san:
         for i in range(23):
             _step(model, opt, i)
         assert san.coverage()["update_period"] == 50
-        _swap_to_copies(opt)
+        sabotage(model, opt)
         bad_step = san.step
         for i in range(23, 27):
             _step(model, opt, i)
-    skipped = [f for f in san.findings if f.kind == "skipped_step"]
-    assert skipped, san.findings
-    assert "changed no parameter" in skipped[0].message
+    return [f for f in san.findings if f.kind == "skipped_step"], bad_step
+
+
+def test_a_step_that_writes_no_parameter_makes_the_next_step_an_update_step():
+    # Note [Version trigger]: with a budget so small that updates are sampled every 50 steps,
+    # "changed no parameter" still comes at most one step after the step that wrote nothing.
+    skipped, bad_step = _skipped_after(_swap_to_copies)
+    assert skipped and "changed no parameter" in skipped[0].message, skipped
     assert bad_step <= skipped[0].step <= bad_step + 1
 
 
 def test_a_parameter_left_unwritten_is_found_one_step_later():
-    model, opt = _setup()
-    with trainsan.attach(model, opt, policy="record", overhead_warmup=2,
-                         overhead_budget=1e-9) as san:
-        for i in range(23):
-            _step(model, opt, i)
-        # A custom step that silently leaves one weight out.
-        group = opt.param_groups[0]
-        group["params"] = [p if p is not model[2].weight else p.detach().clone().requires_grad_()
-                           for p in group["params"]]
-        bad_step = san.step
-        for i in range(23, 27):
-            _step(model, opt, i)
-    left = [f for f in san.findings if f.kind == "skipped_step"]
-    assert left and "2.weight" in left[0].message, san.findings
+    left, bad_step = _skipped_after(_leave_out_one_weight)
+    assert left and "2.weight" in left[0].message, left
     assert bad_step <= left[0].step <= bad_step + 1
 
 
