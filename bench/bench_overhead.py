@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -43,6 +44,9 @@ import trainsan  # noqa: E402
 from pure_python_sanitizer import PurePythonSanitizer  # noqa: E402
 
 GOAL_RATIO = 1.05  # trainsan step time at default options <= 1.05 x plain (issue 8)
+# Issue 23's bars, per model (others: GOAL_RATIO): the MLP is the worst case (little compute per
+# parameter), the CNN and the transformer must come closer to the plain step.
+GOALS = {"mlp": 1.05, "cnn": 1.03, "transformer": 1.03}
 GOAL_VS_PY = 5.0  # pure-Python overhead >= 5 x TrainSan's
 
 
@@ -327,6 +331,7 @@ def bench_model(kind, args, device, names):
             # the machine's load between rounds cancels out.
             "paired_ratio": statistics.median(a / b for a, b in pairs),
             "paired_overhead_ms": statistics.median(a - b for a, b in pairs) * 1e3,
+            "paired_interval": paired_interval([a / b for a, b in pairs]),
             "own_ms": statistics.median(c.own_samples) * 1e3,
             "own_mean_ms": statistics.fmean(c.own_samples) * 1e3,
             "samples": len(c.samples),
@@ -384,20 +389,42 @@ def _verdict(ok: list) -> str:
     return "UNCLEAR (the estimates disagree: noise)"
 
 
+def paired_interval(ratios: list, level: float = 0.9, resamples: int = 2000) -> list:
+    """A bootstrap interval (`level`, percentile) of the median of the per-round ratios: how far
+    the paired estimate may move on this machine's noise. Seeded: the same rounds give the same
+    interval. [nan, nan] with fewer than 3 rounds."""
+    if len(ratios) < 3:
+        return [math.nan, math.nan]
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                  for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * (resamples - 1))]
+    hi = meds[int((1 + level) / 2 * (resamples - 1))]
+    return [lo, hi]
+
+
 def goals(results) -> list[str]:
-    """One line per model and goal. Each goal is judged on the ratio of medians and on the paired
-    (round by round) estimate; the pure-Python goal also on the sanitizers' own measured times,
-    which are not disturbed by the noise in whole step times."""
+    """One line per model and goal. The step-time goal (GOALS, else GOAL_RATIO) is judged on the
+    paired estimate's 90 % interval: MET when all of it is within the goal, MISSED when all of it
+    is above, UNCLEAR when the goal is inside it (this run's noise cannot tell); the ratio of
+    medians is shown next to it. The pure-Python goal is judged on both estimates and on the
+    sanitizers' own measured times, which are not disturbed by the noise in whole step times."""
     out = []
     for res in results:
         cs = res["contenders"]
         if "trainsan" not in cs:
             continue
         s = cs["trainsan"]
-        est = (s["ratio"], s["paired_ratio"])
-        out.append(f"{res['model']}: step time trainsan/plain {est[0]:.3f}x (paired "
-                   f"{est[1]:.3f}x), goal <= {GOAL_RATIO:.2f}x: "
-                   f"{_verdict([r <= GOAL_RATIO for r in est])}")
+        goal = GOALS.get(res["model"], GOAL_RATIO)
+        lo, hi = s.get("paired_interval", [math.nan, math.nan])
+        if math.isnan(lo):
+            verdict = _verdict([r <= goal for r in (s["ratio"], s["paired_ratio"])])
+        else:
+            verdict = _verdict([hi <= goal, lo <= goal]).replace(
+                "the estimates disagree", "the goal is inside the interval")
+        out.append(f"{res['model']}: step time trainsan/plain {s['ratio']:.3f}x (paired "
+                   f"{s['paired_ratio']:.3f}x, 90 % interval {lo:.3f}-{hi:.3f}), goal <= "
+                   f"{goal:.2f}x: {verdict}")
         if "pure-python" in cs:
             p = cs["pure-python"]
             # A trainsan overhead at or below zero is within noise: no verdict from it.
@@ -520,7 +547,8 @@ def main(argv=None) -> int:
     if args.breakdown:
         print("trainsan-noupd: track_updates=False (no snapshot); trainsan-audit1: audit_every=1 "
               "(the op audit on every step).")
-    print(f"Goals: trainsan <= {GOAL_RATIO:.2f}x plain; pure-Python overhead >= "
+    bars = ", ".join(f"{m} {g:.2f}x" for m, g in GOALS.items())
+    print(f"Goals: trainsan <= {bars} (others {GOAL_RATIO:.2f}x) plain; pure-Python overhead >= "
           f"{GOAL_VS_PY:.0f}x trainsan's.")
     for res in results:
         for name, e in res["contenders"].items():
