@@ -280,11 +280,9 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->scaler_step(s);
              return h->take();
            })
-      .def("provenance_armed", [](const H& h) { return h->san->provenance_armed(); })
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
       .def("loss_targets",
            [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
-      .def("rerun_due", [](const H& h) { return h->san->rerun_due(); })
       .def("loss_reaches", [](const H& h, at::Tensor loss) { return h->san->loss_reaches(loss); })
       // One call per training forward for what the gatherers ask then (Note [Gatherers]): the
       // step and whether the saved-tensor check, a re-run, a recompute check, the precision
@@ -295,7 +293,6 @@ TORCH_LIBRARY(trainsan, m) {
              return std::make_tuple(s.step(), s.inplace_check_step(), s.rerun_due(),
                                     s.recompute_due(), s.headroom_due(), s.provenance_armed());
            })
-      .def("recompute_due", [](const H& h) { return h->san->recompute_due(); })
       .def("rerun_result",
            [](const H& h, FactsDict facts) {
              h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));
@@ -410,7 +407,6 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->replica_report(facts_from_dict<trainsan::ReplicaReport>(facts));
              return h->take();
            })
-      .def("inplace_check_step", [](const H& h) { return h->san->inplace_check_step(); })
       .def("gradcheck_step", [](const H& h) { return h->san->gradcheck_step(); })
       .def("custom_grad_due",
            [](const H& h, bool first_use) { return h->san->custom_grad_due(first_use); })

@@ -118,9 +118,8 @@ class SavedTensors(Gatherer):
     """inplace_before_backward (autograd_checks.SavedTensorCheck): its saved-tensor hooks on the
     sampled steps, from the training forward until the step."""
 
-    def __init__(self, check, handle, due: Callable[[int], Any]) -> None:
+    def __init__(self, check, due: Callable[[int], Any]) -> None:
         self._check = check
-        self._handle = handle
         self._due = due  # the sanitizer's _due_flag, held weakly
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:

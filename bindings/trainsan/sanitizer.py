@@ -192,7 +192,7 @@ class Sanitizer:
                 {id(b) for b in model.buffers()},
                 _weak_method(self._apply),
                 _weak_method(self._add_py),
-            ), handle, _weak_method(self._due_flag)))
+            ), _weak_method(self._due_flag)))
         if enabled("bad_custom_grad", checks):
             # Under several processes only when gradcheck_every was asked for (CustomGradCheck).
             self._parts.append(CustomGrads(CustomGradCheck(
