@@ -56,9 +56,9 @@ int SanitizerImpl::walk(const at::Tensor& loss, ForeignBackward* f) {
 }
 
 void SanitizerImpl::walk_loss(const at::Tensor& loss) {
-  if (closed || setup.gathers_events || !loss.defined() || !loss.grad_fn()) return;
+  if (closed || setup.gathers_events) return;
   ForeignBackward f;
-  if (walk(loss, &f) == 0) foreign_backward(f);  // walked to its end (not out of budget)
+  if (walk(loss, &f) == 0) foreign_backward(f);  // walked to its end (no graph: -1)
 }
 
 int SanitizerImpl::loss_reaches(const at::Tensor& loss) {
