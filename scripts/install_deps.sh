@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what TrainSan needs and is missing; a second run finds everything and returns fast.
-# Debian packages: cmake, ninja, GoogleTest, Google Benchmark, ccache (optional).
+# Debian packages: cmake, ninja, GoogleTest, Google Benchmark, ccache (optional), python3-dev
+# (for Debian's python3 without its headers).
 # PyPI: torch==2.11.0 (LibTorch comes from this wheel), numpy, pytest, scikit-build-core,
 # scikit-learn (the demo's bundled digits data set); test-only, best effort: transformers,
 # accelerate, lightning and tensorboard (the tests that need them skip without them).
@@ -14,6 +15,12 @@ command -v ccache >/dev/null || need_apt+=(ccache)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
 [ -f /usr/include/benchmark/benchmark.h ] || need_apt+=(libbenchmark-dev)
 command -v readelf >/dev/null || need_apt+=(binutils)
+# Python's headers, for the _trainsan_hot module (Note [Hot path], bindings/csrc/handle.h); from
+# Debian's python3-dev only when $PY is Debian's python3 (without them the package still builds
+# and uses the torch.classes methods).
+if ! "$PY" -c "import os, sys, sysconfig; sys.exit(0 if os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 1)" 2>/dev/null; then
+  case "$(command -v "$PY" 2>/dev/null)" in /usr/bin/*) need_apt+=(python3-dev) ;; esac
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install_deps: apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

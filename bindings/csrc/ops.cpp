@@ -8,7 +8,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 
+#include "handle.h"
 #include "trainsan/trainsan.h"
 
 namespace {
@@ -95,13 +98,9 @@ options_op() {
   return {name, type, def, choices, doc};
 }
 
-// A finding as a TorchScript-friendly tuple:
-// (kind, step, severity, tensor, message, value (NaN: none), count, last_step, reproduces (-1:
-// none, 0, 1: Note [Re-run attribution])).
-using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
-                                int64_t, int64_t, int64_t>;
-// A reported finding: the tuple and the policy's answer (trainsan::Action as an int).
-using Report = std::tuple<FindingTuple, int64_t>;
+}  // namespace
+
+namespace trainsan::bindings {
 
 FindingTuple to_tuple(const trainsan::Finding& f) {
   return {f.kind,   f.step,      f.severity,
@@ -109,75 +108,155 @@ FindingTuple to_tuple(const trainsan::Finding& f) {
           f.count,  f.last_step, f.reproduces ? static_cast<int64_t>(*f.reproduces) : -1};
 }
 
-// torch.classes.trainsan.Sanitizer: the Python package's handle on a trainsan::Sanitizer. Each
-// event method returns the findings reported at that event with the policy's answer, which
-// Python maps to TrainingBugError / warnings.warn.
-struct SanitizerHandle : torch::CustomClassHolder {
-  std::vector<Report> reports;
-  std::unique_ptr<trainsan::Sanitizer> san;
+namespace {
+// The live handles by id (Note [Hot path]); the events are called with the GIL held, the mutex is
+// for a handle released on another thread.
+std::mutex registry_mutex;
+std::unordered_map<int64_t, SanitizerHandle*>& registry() {
+  static std::unordered_map<int64_t, SanitizerHandle*> r;
+  return r;
+}
+int64_t next_id = 1;
+}  // namespace
 
-  SanitizerHandle(std::vector<std::string> names, std::vector<at::Tensor> params,
-                  std::vector<int64_t> opt_index, c10::Dict<std::string, std::string> options,
-                  std::string header_extra, std::vector<std::string> module_names,
-                  std::vector<std::string> module_types, std::vector<std::string> skip_frames,
-                  bool manual, std::vector<int64_t> group_index,
-                  std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
-                  std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
-                  std::vector<int64_t> external) {
-    TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
-                      "Sanitizer: names, params and opt_index differ in length");
-    TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
-                      "Sanitizer: module_names and module_types differ in length");
-    trainsan::Options o;
-    for (const auto& kv : options) o.set(kv.key(), kv.value());
-    std::vector<trainsan::Parameter> ps;
-    TORCH_CHECK_VALUE(group_index.empty() || group_index.size() == names.size(),
-                      "Sanitizer: names and group_index differ in length");
-    for (size_t i = 0; i < names.size(); ++i) {
-      ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i],
-                    i < locals.size() ? locals[i] : at::Tensor(),
-                    i < external.size() && external[i] != 0});
-    }
-    trainsan::Setup setup;
-    setup.gathers_events = true;  // the Python package gathers the event and python kinds' facts
-    // Per module: how many of module_params (flat) are its own, and whether its forward depends on
-    // train/eval (empty: none given, every module mode-dependent and tied to every parameter).
-    TORCH_CHECK_VALUE(
-        module_param_counts.empty() || module_param_counts.size() == module_names.size(),
-        "Sanitizer: module_names and module_param_counts differ in length");
-    TORCH_CHECK_VALUE(
-        module_mode_dependent.empty() || module_mode_dependent.size() == module_names.size(),
-        "Sanitizer: module_names and module_mode_dependent differ in length");
-    size_t flat = 0;
-    for (size_t k = 0; k < module_names.size(); ++k) {
-      setup.mode_modules.push_back({module_names[k], module_types[k]});
-      if (!module_param_counts.empty()) {
-        const auto c = static_cast<size_t>(module_param_counts[k]);
-        TORCH_CHECK_VALUE(flat + c <= module_params.size(),
-                          "Sanitizer: module_params is shorter than module_param_counts say");
-        setup.mode_modules.back().params.assign(module_params.begin() + flat,
-                                                module_params.begin() + flat + c);
-        flat += c;
-      }
-      if (!module_mode_dependent.empty()) {
-        setup.mode_modules.back().mode_dependent = module_mode_dependent[k] != 0;
-      }
-    }
-    setup.manual = manual;
-    setup.header_extra = std::move(header_extra);
-    setup.skip_frames = std::move(skip_frames);
-    setup.report = [this](const trainsan::Finding& f, trainsan::Action a) {
-      reports.emplace_back(to_tuple(f), static_cast<int64_t>(a));
-    };
-    san = std::make_unique<trainsan::Sanitizer>(std::move(ps), std::move(o), std::move(setup));
-  }
+SanitizerHandle* handle_by_id(int64_t id) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  const auto it = registry().find(id);
+  return it == registry().end() ? nullptr : it->second;
+}
 
-  std::vector<Report> take() {
-    std::vector<Report> out;
-    out.swap(reports);
-    return out;
+SanitizerHandle::SanitizerHandle(
+    std::vector<std::string> names, std::vector<at::Tensor> params, std::vector<int64_t> opt_index,
+    c10::Dict<std::string, std::string> options, std::string header_extra,
+    std::vector<std::string> module_names, std::vector<std::string> module_types,
+    std::vector<std::string> skip_frames, bool manual, std::vector<int64_t> group_index,
+    std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
+    std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
+    std::vector<int64_t> external) {
+  TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
+                    "Sanitizer: names, params and opt_index differ in length");
+  TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
+                    "Sanitizer: module_names and module_types differ in length");
+  trainsan::Options o;
+  for (const auto& kv : options) o.set(kv.key(), kv.value());
+  std::vector<trainsan::Parameter> ps;
+  TORCH_CHECK_VALUE(group_index.empty() || group_index.size() == names.size(),
+                    "Sanitizer: names and group_index differ in length");
+  for (size_t i = 0; i < names.size(); ++i) {
+    ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i],
+                  i < locals.size() ? locals[i] : at::Tensor(),
+                  i < external.size() && external[i] != 0});
   }
-};
+  trainsan::Setup setup;
+  setup.gathers_events = true;  // the Python package gathers the event and python kinds' facts
+  // Per module: how many of module_params (flat) are its own, and whether its forward depends on
+  // train/eval (empty: none given, every module mode-dependent and tied to every parameter).
+  TORCH_CHECK_VALUE(
+      module_param_counts.empty() || module_param_counts.size() == module_names.size(),
+      "Sanitizer: module_names and module_param_counts differ in length");
+  TORCH_CHECK_VALUE(
+      module_mode_dependent.empty() || module_mode_dependent.size() == module_names.size(),
+      "Sanitizer: module_names and module_mode_dependent differ in length");
+  size_t flat = 0;
+  for (size_t k = 0; k < module_names.size(); ++k) {
+    setup.mode_modules.push_back({module_names[k], module_types[k]});
+    if (!module_param_counts.empty()) {
+      const auto c = static_cast<size_t>(module_param_counts[k]);
+      TORCH_CHECK_VALUE(flat + c <= module_params.size(),
+                        "Sanitizer: module_params is shorter than module_param_counts say");
+      setup.mode_modules.back().params.assign(module_params.begin() + flat,
+                                              module_params.begin() + flat + c);
+      flat += c;
+    }
+    if (!module_mode_dependent.empty()) {
+      setup.mode_modules.back().mode_dependent = module_mode_dependent[k] != 0;
+    }
+  }
+  setup.manual = manual;
+  setup.header_extra = std::move(header_extra);
+  setup.skip_frames = std::move(skip_frames);
+  setup.report = [this](const trainsan::Finding& f, trainsan::Action a) {
+    reports.emplace_back(to_tuple(f), static_cast<int64_t>(a));
+  };
+  san = std::make_unique<trainsan::Sanitizer>(std::move(ps), std::move(o), std::move(setup));
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  id = next_id++;
+  registry()[id] = this;
+}
+
+SanitizerHandle::~SanitizerHandle() {
+  if (id == 0) return;
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().erase(id);
+}
+
+Reports SanitizerHandle::take() {
+  Reports out;
+  out.swap(reports);
+  return out;
+}
+
+DueFields due_fields(const trainsan::Sanitizer& s) {
+  return std::make_tuple(s.step(), s.inplace_check_step(), s.rerun_due(), s.recompute_due(),
+                         s.headroom_due(), s.provenance_armed());
+}
+
+std::tuple<Reports, DueFields> handle_forward(SanitizerHandle& h, bool training,
+                                              std::vector<at::Tensor> inputs,
+                                              std::vector<bool> module_eval, double extra_s,
+                                              int64_t data_restarts, int64_t loader_pass,
+                                              int64_t loader_workers, bool loader_worker_init,
+                                              std::vector<at::Tensor> batch) {
+  h.san->add_overhead(extra_s);
+  trainsan::ForwardFacts f;
+  f.training = training;
+  f.inputs = std::move(inputs);
+  f.module_eval = std::move(module_eval);
+  f.data_restarts = data_restarts;
+  f.loader_pass = loader_pass;
+  f.loader_workers = loader_workers;
+  f.loader_worker_init = loader_worker_init;
+  f.batch = std::move(batch);
+  h.san->forward(f);
+  return std::make_tuple(h.take(), due_fields(*h.san));
+}
+
+Reports handle_loss(SanitizerHandle& h, const at::Tensor& loss) {
+  h.san->watch_loss(loss);
+  return h.take();
+}
+
+int64_t handle_loss_reaches(SanitizerHandle& h, const at::Tensor& loss) {
+  return h.san->loss_reaches(loss);
+}
+
+std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt) {
+  const int64_t headroom = h.san->headroom_due() ? h.san->step() : -1;
+  h.san->step_begin(opt);
+  return std::make_tuple(h.take(), headroom);
+}
+
+Reports handle_step_end(SanitizerHandle& h, int64_t opt, bool lr_zero, double extra_s,
+                        const std::vector<double>& group_lr) {
+  h.san->add_overhead(extra_s);
+  h.san->step_end(opt, lr_zero, group_lr);
+  return h.take();
+}
+
+Reports handle_gradients_cleared(SanitizerHandle& h, int64_t opt) {
+  h.san->gradients_cleared(opt);
+  return h.take();
+}
+
+}  // namespace trainsan::bindings
+
+namespace {
+
+namespace tb = trainsan::bindings;
+using trainsan::bindings::FindingTuple;
+using trainsan::bindings::Report;
+using trainsan::bindings::SanitizerHandle;
+using trainsan::bindings::to_tuple;
 
 // Note [Lean rows]: the every-step pass over detached views of `tensors` (one device).
 trainsan::PackedStats lean_stats(at::TensorList tensors) {
@@ -221,34 +300,20 @@ TORCH_LIBRARY(trainsan, m) {
                        std::vector<std::string>, std::vector<std::string>, bool,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      // The per-step events (Note [Hot path]): the same functions as the _trainsan_hot module's.
+      .def("hot_id", [](const H& h) { return h->id; })
       .def(
           "forward",
           [](const H& h, bool training, std::vector<at::Tensor> inputs, c10::List<bool> module_eval,
              double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
              bool loader_worker_init, std::vector<at::Tensor> batch) {
-            h->san->add_overhead(extra_s);
-            trainsan::ForwardFacts f;
-            f.training = training;
-            f.inputs = std::move(inputs);
-            f.module_eval = module_eval.vec();
-            f.data_restarts = data_restarts;
-            f.loader_pass = loader_pass;
-            f.loader_workers = loader_workers;
-            f.loader_worker_init = loader_worker_init;
-            f.batch = std::move(batch);
-            h->san->forward(f);
-            return h->take();
+            return tb::handle_forward(*h, training, std::move(inputs), module_eval.vec(), extra_s,
+                                      data_restarts, loader_pass, loader_workers,
+                                      loader_worker_init, std::move(batch));
           })
       .def("gradients_cleared",
-           [](const H& h, int64_t opt) {
-             h->san->gradients_cleared(opt);
-             return h->take();
-           })
-      .def("loss",
-           [](const H& h, at::Tensor loss) {
-             h->san->watch_loss(loss);
-             return h->take();
-           })
+           [](const H& h, int64_t opt) { return tb::handle_gradients_cleared(*h, opt); })
+      .def("loss", [](const H& h, at::Tensor loss) { return tb::handle_loss(*h, loss); })
       .def("foreign_backward",
            [](const H& h, FactsDict facts) {
              h->san->foreign_backward(facts_from_dict<trainsan::ForeignBackward>(facts));
@@ -259,16 +324,10 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->backward_without_graph();
              return h->take();
            })
-      .def("step_begin",
-           [](const H& h, int64_t opt) {
-             h->san->step_begin(opt);
-             return h->take();
-           })
+      .def("step_begin", [](const H& h, int64_t opt) { return tb::handle_step_begin(*h, opt); })
       .def("step_end",
            [](const H& h, int64_t opt, bool lr_zero, double extra_s, std::vector<double> group_lr) {
-             h->san->add_overhead(extra_s);
-             h->san->step_end(opt, lr_zero, group_lr);
-             return h->take();
+             return tb::handle_step_end(*h, opt, lr_zero, extra_s, group_lr);
            })
       .def("step_in_flight", [](const H& h, int64_t opt) { h->san->step_in_flight(opt); })
       .def("scaler_step",
@@ -283,16 +342,10 @@ TORCH_LIBRARY(trainsan, m) {
       .def("headroom_due", [](const H& h) { return h->san->headroom_due(); })
       .def("loss_targets",
            [](const H& h, std::vector<at::Tensor> targets) { h->san->loss_targets(targets); })
-      .def("loss_reaches", [](const H& h, at::Tensor loss) { return h->san->loss_reaches(loss); })
-      // One call per training forward for what the gatherers ask then (Note [Gatherers]): the
-      // step and whether the saved-tensor check, a re-run, a recompute check, the precision
-      // headroom and overflow provenance are due.
-      .def("due",
-           [](const H& h) {
-             const trainsan::Sanitizer& s = *h->san;
-             return std::make_tuple(s.step(), s.inplace_check_step(), s.rerun_due(),
-                                    s.recompute_due(), s.headroom_due(), s.provenance_armed());
-           })
+      .def("loss_reaches",
+           [](const H& h, at::Tensor loss) { return tb::handle_loss_reaches(*h, loss); })
+      // due_fields() outside a training forward (forward() returns them with its reports).
+      .def("due", [](const H& h) { return tb::due_fields(*h->san); })
       .def("rerun_result",
            [](const H& h, FactsDict facts) {
              h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));

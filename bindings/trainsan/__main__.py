@@ -9,7 +9,7 @@ import torch
 
 import trainsan
 
-from . import checkpoint, demo, launcher
+from . import _native, checkpoint, demo, launcher
 from .html_report import write_html
 from .report import TraceError, diff_runs, precision, rank_traces, report_many
 from .tensorboard import export_many
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA kernels compiled: {trainsan.cuda_compiled()}, "
               f"CUDA device visible: {torch.cuda.is_available()}")
         print(f"CMake prefix path (find_package(trainsan)): {trainsan.cmake_prefix_path}")
+        hot = _native.hot_module()
+        print("per-step events: " + (f"_trainsan_hot ({hot.__file__})" if hot is not None else
+                                     f"torch.classes methods ({_native.hot_problem})"))
         return 0
     try:
         if args.cmd == "report":

@@ -69,7 +69,7 @@ def rebind(san, message: str) -> None:
     """Re-bind the sanitizer `san` to the model's current parameters (Note [Attach order]): what
     it installed is released quietly and built anew; findings and counts carry over."""
     registered = attached_to(san._model) is san
-    old = san._handle
+    old, old_hot = san._handle, san._hot
     counts = dict(old.coverage()[0])
     san._closed = True
     _patches.unregister(san)
@@ -98,7 +98,7 @@ def rebind(san, message: str) -> None:
                 san._handle.close()
             except Exception:  # noqa: BLE001
                 pass
-        san._handle = old  # what it found stays readable
+        san._handle, san._hot = old, old_hot  # what it found stays readable
         warnings.warn(f"{message}; re-binding to the model's current parameters failed "
                       f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
                       TrainingBugWarning, stacklevel=_user_stacklevel())

@@ -56,6 +56,63 @@ def load() -> str:
     )
 
 
+# -- the hot path (Note [Hot path], bindings/csrc/handle.h) -------------------------------------
+
+_HOT_EVENTS = ("forward", "loss", "loss_reaches", "step_begin", "step_end", "gradients_cleared")
+_hot: list = []  # [module or None], once looked up
+hot_problem: Optional[str] = None  # why the module is not used (None: it is, or not looked up)
+
+
+def hot_module() -> Any:
+    """The _trainsan_hot extension module next to the loaded op library, or None: not built for
+    this Python, failed to load, or $TRAINSAN_HOT=0 (hot_problem says which)."""
+    global hot_problem
+    if _hot:
+        return _hot[0]
+    mod = None
+    if os.environ.get("TRAINSAN_HOT", "1") == "0":
+        hot_problem = "TRAINSAN_HOT=0"
+    else:
+        import importlib.machinery
+        import importlib.util
+
+        where = Path(load()).resolve().parent
+        found = [where / f"_trainsan_hot{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
+        found = [f for f in found if f.is_file()]
+        if not found:
+            hot_problem = f"no _trainsan_hot module for this Python next to {where}"
+        else:
+            try:
+                spec = importlib.util.spec_from_file_location("_trainsan_hot", found[0])
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                missing = [n for n in _HOT_EVENTS if not hasattr(mod, n)]
+                if missing:
+                    raise ImportError(f"it lacks {', '.join(missing)} (built from another "
+                                      f"TrainSan?)")
+            except Exception as exc:  # noqa: BLE001 - the torch.classes methods serve instead
+                hot_problem = f"{found[0]} did not load ({type(exc).__name__}: {exc})"
+                mod = None
+    _hot.append(mod)
+    return mod
+
+
+class HotEvents:
+    """The per-step events of a sanitizer handle (Note [Hot path]): the _trainsan_hot module's
+    functions bound to the handle's id, with the signatures of the handle's methods of the same
+    names; the handle's own methods where the module is not there."""
+
+    __slots__ = _HOT_EVENTS
+
+    def __init__(self, handle: Any) -> None:
+        mod = hot_module()
+        hid = int(handle.hot_id()) if mod is not None else 0
+        for name in _HOT_EVENTS:
+            fn = (functools.partial(getattr(mod, name), hid) if mod is not None
+                  else getattr(handle, name))
+            setattr(self, name, fn)
+
+
 # -- facts by name (Note [Facts by name], host/include/trainsan/facts_dict.h) -------------------
 
 

@@ -44,6 +44,28 @@ class Patch:
 
 # The open sanitizers, held weakly (Note [Sanitizer lifetime] in _hooks.py).
 _open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
+# The same as a tuple of weak references, rebuilt at each register/unregister: the per-step
+# events read it (iterating a WeakSet costs tens of microseconds in a training step).
+_open_refs: tuple = ()
+
+
+def open_sanitizers() -> list:
+    """The open sanitizers, in the order they were opened."""
+    out = []
+    for ref in _open_refs:
+        san = ref()
+        if san is not None and not san._closed:
+            out.append(san)
+    return out
+
+
+def _rebuild_open() -> None:
+    global _open_refs
+    live = [r for r in _open_refs if r() is not None and r() in _open_sanitizers]
+    known = {id(r()) for r in live}
+    live += [weakref.ref(s) for s in list(_open_sanitizers) if id(s) not in known]
+    _open_refs = tuple(live)
+
 # optimizer -> the sanitizers watching it (its GradScaler steps)
 _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = (
     weakref.WeakKeyDictionary())
@@ -56,6 +78,7 @@ def register(san) -> None:
     for opt in san._optimizers:
         _watchers.setdefault(opt, weakref.WeakSet()).add(san)
     _open_sanitizers.add(san)
+    _rebuild_open()
 
 
 def unregister(san) -> None:
@@ -65,6 +88,7 @@ def unregister(san) -> None:
         if san in ws:
             ws.remove(san)
     _open_sanitizers.discard(san)
+    _rebuild_open()
     ref = _attached.get(san._model)
     if ref is not None and ref() in (san, None):
         del _attached[san._model]
@@ -79,7 +103,37 @@ def attached_to(model: torch.nn.Module) -> Optional[Any]:
 
 # GradScaler.step is wrapped while any sanitizer is open, to tell an AMP skip (the scaler found
 # Inf/NaN and did not call optimizer.step) from a forgotten optimizer.step().
-_step_counts: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+class _StepCounts:
+    """optimizer -> optimizer steps seen so far, holding the optimizer weakly. A dict keyed by
+    id() with the weak reference beside the count: a WeakKeyDictionary makes a new weak reference
+    at every lookup and store, on the path of every step."""
+
+    def __init__(self) -> None:
+        self._d: dict = {}  # id(opt) -> [weakref(opt), count]
+
+    def get(self, opt: Any, default: int = 0) -> int:
+        e = self._d.get(id(opt))
+        return e[1] if e is not None and e[0]() is opt else default
+
+    def bump(self, opt: Any) -> None:
+        e = self._d.get(id(opt))
+        if e is not None and e[0]() is opt:
+            e[1] += 1
+            return
+        key = id(opt)
+        try:
+            ref = weakref.ref(opt, lambda _r, key=key: self._drop(key, _r))
+        except TypeError:
+            return
+        self._d[key] = [ref, 1]
+
+    def _drop(self, key: int, ref: Any) -> None:
+        e = self._d.get(key)
+        if e is not None and e[0] is ref:
+            del self._d[key]
+
+
+_step_counts = _StepCounts()
 
 
 def _scale_of(scaler, skipped: bool) -> float:
@@ -266,7 +320,7 @@ _WALK_LIMIT = 20000
 
 
 def _loss_owners(root: torch.Tensor) -> list:
-    opened = [s for s in list(_open_sanitizers) if not s._closed]
+    opened = open_sanitizers()
     cands = [s for s in opened if s._last_train_forward >= 0]
     # Note [Foreign backwards] (host/checks/gradient_flow.cpp): the walk also looks for the models
     # of the sanitizers with an optimizer whose model ran no training forward yet (a loss wrapper
@@ -280,7 +334,7 @@ def _loss_owners(root: torch.Tensor) -> list:
         # walk, without a Python object per node); a root that does not reach them is walked
         # again below, for the foreign-backward facts.
         try:
-            if cands[0]._handle.loss_reaches(root) == 1:
+            if cands[0]._hot.loss_reaches(root) == 1:
                 return cands
         except Exception:  # noqa: BLE001 - the Python walk below decides
             pass
@@ -328,6 +382,8 @@ def _watch_roots(tensors: Any) -> None:
 def _graphless(tensors: Any) -> bool:
     """A backward on roots none of which has an autograd graph: torch raises "element 0 of tensors
     does not require grad" — tell the sanitizers first (no_grad_leak, Note [Mode rules])."""
+    if isinstance(tensors, torch.Tensor):
+        return not tensors.requires_grad
     roots = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
     return bool(roots) and all(isinstance(t, torch.Tensor) and not t.requires_grad
                                for t in roots)

@@ -30,6 +30,7 @@ from ._findings import (Finding, TrainingBugError, TrainingBugWarning, merge_fin
                         summary_text)
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
                          Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
+from ._native import HotEvents
 from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
 from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
                        _scaler_patch, _step_counts, _zero_grad_patch, take_loader_facts)
@@ -143,6 +144,7 @@ class Sanitizer:
             external,
         )
         handle = self._handle
+        self._hot = HotEvents(handle)  # its per-step events (Note [Hot path])
         # Note [Attach order]: the notes so far go into a restarted trace too; an optimizer that
         # holds none of the model's parameters is one under "warn" and "record".
         for rec in self._notes:
@@ -297,13 +299,14 @@ class Sanitizer:
         module_eval = [not m.training for m in self._sensitive]
         lpass, workers, init, batch = (take_loader_facts() if training and torch.is_grad_enabled()
                                        else (-1, 0, False, []))
-        found = self._handle.forward(
+        # The forward's reports, and what the members ask at a training forward (the handle's
+        # due(), Sanitizer._due_flag) in the same call.
+        found, due = self._hot.forward(
             training, inputs, module_eval, self._take_overhead(), _data_restarts[0],
             lpass, workers, init, batch
         )
         train = training and torch.is_grad_enabled()
-        # What the members ask at a training forward, in one call (Sanitizer._due_flag).
-        self._due = self._handle.due() if train else None
+        self._due = due if train else None
         try:
             for call in self._calls["on_forward"]:
                 call(args, kwargs, train)
@@ -351,9 +354,10 @@ class Sanitizer:
                 return  # re-bound: this step is in flight for the new hooks (Note [Attach order])
         if not self._closed:
             self._stepping.add(k)
-            if self._handle.headroom_due():
-                self._headroom_at[k] = self._handle.step()
-            self._apply(self._handle.step_begin(k))
+            reports, headroom = self._hot.step_begin(k)  # headroom: the step, when due
+            if headroom >= 0:
+                self._headroom_at[k] = headroom
+            self._apply(reports)
 
     def _grad_leaf_ids(self) -> set:
         """ids of the leaves the autograd graph holds for this model's parameters besides the
@@ -369,7 +373,7 @@ class Sanitizer:
         if k in self._amp_skipping:
             self._amp_skipping.discard(k)
             return  # not counted: the GradScaler patch sees no step and reports the AMP skip
-        _step_counts[opt] = _step_counts.get(opt, 0) + 1
+        _step_counts.bump(opt)
         self._unstepped_backward = False
         if self._closed:
             return
@@ -395,7 +399,7 @@ class Sanitizer:
                 [None if p.grad is None else p.grad._local_tensor for p in ps],
             )
         self._py_overhead += time.perf_counter() - t0
-        reports = self._handle.step_end(k, lr0, self._take_overhead(), lrs)
+        reports = self._hot.step_end(k, lr0, self._take_overhead(), lrs)
         if k in self._headroom_at:
             t0 = time.perf_counter()
             step = self._headroom_at.pop(k)
@@ -447,7 +451,7 @@ class Sanitizer:
             self._unstepped_backward = False
             for call in self._calls["before_clear"]:
                 call(k)
-        self._apply(self._handle.gradients_cleared(k))
+        self._apply(self._hot.gradients_cleared(k))
 
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
         """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
@@ -485,7 +489,7 @@ class Sanitizer:
             return
         for call in self._calls["on_loss"]:
             call(loss)
-        self._apply(self._handle.loss(_local(loss)))
+        self._apply(self._hot.loss(_local(loss)))
         self._targets(loss)
 
     def _targets(self, loss: torch.Tensor) -> None:
@@ -521,7 +525,7 @@ class Sanitizer:
         if not self._closed and self._first_watch(loss):
             for call in self._calls["on_loss"]:
                 call(loss)
-            self._apply(self._handle.loss(_local(loss)))
+            self._apply(self._hot.loss(_local(loss)))
             self._targets(loss)
         return loss
 

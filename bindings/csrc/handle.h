@@ -1,0 +1,89 @@
+// The Python package's handle on a trainsan::Sanitizer (torch.classes.trainsan.Sanitizer), and the
+// per-step events it takes, shared by the two bindings that call them: the torch.classes methods
+// (ops.cpp: no Python C API, one build for every Python version) and the hot-path module
+// (hot.cpp, Note [Hot path]).
+//
+// Note [Hot path]
+// ~~~~~~~~~~~~~~~
+// The events every training step makes — forward, the loss root's walk and the loss, the step's
+// begin and end, zero_grad — are five entries into C++ a step. Measured on the CPU in a step of
+// a small CNN (2 threads), the first torch.classes method call of each entry costs ~125 us (its
+// code and data are cold after the model's forward or backward; 8 us when called again at once),
+// and a pybind11 function ~20 us. So those events are also bound in a small Python extension
+// module, _trainsan_hot (built for the Python it was compiled with, next to the op library), that
+// calls the same functions below on the handle registered under an id (hot_id()). The package
+// uses it when it loads, and the torch.classes methods otherwise (another Python version, no
+// Python headers at build time): the same results either way.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "trainsan/trainsan.h"
+
+namespace trainsan::bindings {
+
+// A finding as a TorchScript-friendly tuple:
+// (kind, step, severity, tensor, message, value (NaN: none), count, last_step, reproduces (-1:
+// none, 0, 1: Note [Re-run attribution])).
+using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
+                                int64_t, int64_t, int64_t>;
+// A reported finding: the tuple and the policy's answer (trainsan::Action as an int).
+using Report = std::tuple<FindingTuple, int64_t>;
+using Reports = std::vector<Report>;
+// What the gatherers ask at a training forward (Note [Gatherers]): the step, the saved-tensor
+// check's step, and whether a re-run, a recompute check, the precision headroom and overflow
+// provenance are due (DUE_* in _hooks.py).
+using DueFields = std::tuple<int64_t, int64_t, bool, bool, bool, bool>;
+
+FindingTuple to_tuple(const trainsan::Finding& f);
+
+// torch.classes.trainsan.Sanitizer. Each event returns the findings reported at that event with
+// the policy's answer, which Python maps to TrainingBugError / warnings.warn.
+struct SanitizerHandle : torch::CustomClassHolder {
+  Reports reports;
+  std::unique_ptr<trainsan::Sanitizer> san;
+  int64_t id = 0;  // in the hot path's registry while alive (Note [Hot path])
+
+  SanitizerHandle(std::vector<std::string> names, std::vector<at::Tensor> params,
+                  std::vector<int64_t> opt_index, c10::Dict<std::string, std::string> options,
+                  std::string header_extra, std::vector<std::string> module_names,
+                  std::vector<std::string> module_types, std::vector<std::string> skip_frames,
+                  bool manual, std::vector<int64_t> group_index,
+                  std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
+                  std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
+                  std::vector<int64_t> external);
+  ~SanitizerHandle() override;
+  SanitizerHandle(const SanitizerHandle&) = delete;
+  SanitizerHandle& operator=(const SanitizerHandle&) = delete;
+
+  Reports take();
+};
+
+// The handle registered under `id`, or nullptr when there is none (closed and collected).
+SanitizerHandle* handle_by_id(int64_t id);
+
+// The per-step events (Note [Hot path]).
+std::tuple<Reports, DueFields> handle_forward(SanitizerHandle& h, bool training,
+                                              std::vector<at::Tensor> inputs,
+                                              std::vector<bool> module_eval, double extra_s,
+                                              int64_t data_restarts, int64_t loader_pass,
+                                              int64_t loader_workers, bool loader_worker_init,
+                                              std::vector<at::Tensor> batch);
+DueFields due_fields(const trainsan::Sanitizer& s);
+Reports handle_loss(SanitizerHandle& h, const at::Tensor& loss);
+int64_t handle_loss_reaches(SanitizerHandle& h, const at::Tensor& loss);
+// The reports, and the step whose precision headroom is due at this step's end (-1: none;
+// headroom_due() asked before the step begins).
+std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt);
+Reports handle_step_end(SanitizerHandle& h, int64_t opt, bool lr_zero, double extra_s,
+                        const std::vector<double>& group_lr);
+Reports handle_gradients_cleared(SanitizerHandle& h, int64_t opt);
+
+}  // namespace trainsan::bindings

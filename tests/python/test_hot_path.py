@@ -1,0 +1,111 @@
+"""Note [Hot path] (bindings/csrc/handle.h): the per-step events go through the _trainsan_hot
+pybind11 module where it was built, through the torch.classes methods otherwise; both call the
+same C++ functions, so a loop gets the same findings either way."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import trainsan
+from trainsan import _native
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import zoo  # noqa: E402
+
+
+@pytest.fixture
+def classes_path(monkeypatch):
+    """Sanitizers attached inside use the torch.classes methods."""
+    _native.hot_module()  # looked up once, as the package does
+    monkeypatch.setattr(_native, "_hot", [None])
+
+
+def _built_module() -> list:
+    import importlib.machinery
+
+    where = Path(_native.load()).resolve().parent
+    return [where / f"_trainsan_hot{s}" for s in importlib.machinery.EXTENSION_SUFFIXES
+            if (where / f"_trainsan_hot{s}").is_file()]
+
+
+def test_module_loads_where_it_was_built():
+    if not _built_module():
+        pytest.skip(f"_trainsan_hot was not built for this Python ({_native.hot_problem or ''}); "
+                    "the torch.classes methods serve")
+    if os.environ.get("TRAINSAN_HOT") == "0":
+        pytest.skip("TRAINSAN_HOT=0")
+    mod = _native.hot_module()
+    assert mod is not None, _native.hot_problem
+    m = nn.Linear(3, 1)
+    san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        assert san._hot.forward.func is mod.forward  # a partial over the module's function
+    finally:
+        san.close()
+
+
+def test_classes_path_is_the_handles_methods(classes_path):
+    m = nn.Linear(3, 1)
+    san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        for name in _native._HOT_EVENTS:
+            assert isinstance(getattr(san._hot, name), torch.ScriptMethod), name
+    finally:
+        san.close()
+
+
+def _signature(results) -> list:
+    return [(r.case.name, r.status, sorted((f.sanitizer, f.kind, f.step, f.tensor, f.count)
+                                           for f in r.findings)) for r in results]
+
+
+# Every fifth case of the zoo: every model family and most kinds, in a few seconds.
+_SAMPLE = zoo.CASES[::5]
+
+
+def test_same_findings_on_both_paths(monkeypatch):
+    if _native.hot_module() is None:
+        pytest.skip(f"no _trainsan_hot ({_native.hot_problem}): one path only")
+    hot = _signature(zoo.run_all(_SAMPLE))
+    monkeypatch.setattr(_native, "_hot", [None])
+    classes = _signature(zoo.run_all(_SAMPLE))
+    assert len(hot) == len(_SAMPLE) >= 20
+    assert hot == classes
+
+
+@pytest.mark.parametrize("path", ["hot", "classes"])
+def test_errors_are_the_same_python_exceptions(path, monkeypatch):
+    if path == "hot" and _native.hot_module() is None:
+        pytest.skip(f"no _trainsan_hot ({_native.hot_problem})")
+    if path == "classes":
+        _native.hot_module()
+        monkeypatch.setattr(_native, "_hot", [None])
+    m = nn.Linear(3, 1)
+    san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        # A loss the statistics pass cannot read (complex): the C++ check's error, as torch
+        # raises it for the torch.classes method.
+        with pytest.raises((RuntimeError, TypeError, ValueError)) as err:
+            san._hot.loss(torch.tensor([1 + 2j]))
+        assert "complex" in str(err.value).lower() or "dtype" in str(err.value).lower()
+        # A NaN loss is reported through either path.
+        out = m(torch.randn(4, 3)).sum() * float("nan")
+        san.watch_loss(out)
+        assert any(f.kind == "nonfinite_loss" for f in san.findings)
+    finally:
+        san.close()
+
+
+def test_a_released_handle_is_an_error_not_a_crash():
+    mod = _native.hot_module()
+    if mod is None:
+        pytest.skip(f"no _trainsan_hot ({_native.hot_problem})")
+    with pytest.raises(Exception, match="is gone"):
+        mod.step_begin(10**12, 0)
