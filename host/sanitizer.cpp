@@ -302,7 +302,8 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
         const int64_t at_step = step;
         const int64_t restarts = facts.data_restarts;
         const LoaderView loader{facts.loader_pass, facts.loader_workers, facts.loader_worker_init};
-        readback.push(start_host_copy(tensor_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
+        // Only the fingerprints are read (Note [Lean rows], kModeHash).
+        readback.push(start_host_copy(fingerprint_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
                       [this, at_step, restarts, loader](const PackedStats& host) {
                         uint64_t h = 0x84222325cbf29ce4ull;
                         for (const auto& s : unpack_stats(host))
@@ -343,7 +344,7 @@ void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
   const int64_t at_step = step;
   try {
     check_tensors(ok, "trainsan targets");
-    readback.push(start_host_copy(tensor_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
+    readback.push(start_host_copy(fingerprint_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
                   [this, at_step](const PackedStats& host) {
                     uint64_t h = 0x84222325cbf29ce4ull;
                     for (const auto& s : unpack_stats(host)) h = (h ^ s.hash) * 0x100000001b3ull;

@@ -262,10 +262,11 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
     kn::combine_records(partials.data() + w.chunk_begin[t], w.chunk_begin[t + 1] - w.chunk_begin[t],
                         &r);
     const bool lean = w.descs[t].mode == kn::kModeLean;
+    const bool hash_only = w.descs[t].mode == kn::kModeHash;
     if (with_update) {
-      kn::pack_record_update(r, ip + t * ni, fp + t * nf, lean);
+      kn::pack_record_update(r, ip + t * ni, fp + t * nf, lean, hash_only);
     } else {
-      kn::pack_record(r, ip + t * ni, fp + t * nf, lean);
+      kn::pack_record(r, ip + t * ni, fp + t * nf, lean, hash_only);
     }
   }
   return {ints, floats};
@@ -313,6 +314,14 @@ PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors) {
   host::check_tensors(tensors, "gradient_stats");
   host::check_one_device(tensors, "gradient_stats");
   const std::vector<char> modes(tensors.size(), static_cast<char>(kn::kModeLean));
+  if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors, nullptr, &modes);
+  return host::packed_cpu(tensors, nullptr, &modes);
+}
+
+PackedStats fingerprint_stats_packed(const std::vector<at::Tensor>& tensors) {
+  host::check_tensors(tensors, "fingerprint_stats");
+  host::check_one_device(tensors, "fingerprint_stats");
+  const std::vector<char> modes(tensors.size(), static_cast<char>(kn::kModeHash));
   if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors, nullptr, &modes);
   return host::packed_cpu(tensors, nullptr, &modes);
 }

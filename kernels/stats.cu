@@ -165,11 +165,12 @@ __device__ __forceinline__ StatsRecord load_partial(const StatsRecord* p) {
 __device__ __forceinline__ void pack_row(const StatsRecord& r, const TensorDesc& t, int64_t row,
                                          int64_t* out_int, double* out_float, bool with_update) {
   const bool lean = t.mode == kModeLean;
+  const bool hash_only = t.mode == kModeHash;  // computed as a full row (Note [Lean rows])
   if (with_update) {
     pack_record_update(r, out_int + row * kIntFieldsUpdate, out_float + row * kFloatFieldsUpdate,
-                       lean);
+                       lean, hash_only);
   } else {
-    pack_record(r, out_int + row * kIntFields, out_float + row * kFloatFields, lean);
+    pack_record(r, out_int + row * kIntFields, out_float + row * kFloatFields, lean, hash_only);
   }
 }
 

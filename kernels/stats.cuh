@@ -282,8 +282,8 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
 
 // Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
 // is finite; a lean row (Note [Lean rows]) has NaN for min and max and hash 0.
-TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats,
-                             bool lean = false) {
+TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats, bool lean = false,
+                             bool hash_only = false) {
   ints[kColNumel] = r.numel;
   ints[kColNan] = r.nan;
   ints[kColPosinf] = r.posinf;
@@ -303,12 +303,17 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
     ints[kColHash] = 0;
     floats[kColMin] = floats[kColMax] = nan;
   }
+  if (hash_only) {  // Note [Lean rows]: kModeHash
+    ints[kColNan] = ints[kColPosinf] = ints[kColNeginf] = ints[kColZero] = ints[kColSubnormal] =
+        ints[kColFp16Overflow] = 0;
+    floats[kColMin] = floats[kColMax] = floats[kColAbsmax] = floats[kColSum] = floats[kColL2] = nan;
+  }
 }
 
 // Packed row with update statistics: pack_record's columns, then the update columns.
 TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats,
-                                    bool lean = false) {
-  pack_record(r, ints, floats, lean);
+                                    bool lean = false, bool hash_only = false) {
+  pack_record(r, ints, floats, lean, hash_only);
   ints[kColChanged] = r.changed;
   floats[kColUpdateL2] = sqrt(r.dsumsq);
   floats[kColUpdateMax] = r.dmax;

@@ -66,9 +66,14 @@ struct TensorDesc {
 //               sum, l2 and absmax have the same bits as a full row's — except for a tensor that
 //               is a permutation of a dense block (a transpose, channels_last): the lean pass
 //               reads it in memory order, at the speed of a contiguous one, so its sum and l2
-//               agree with the full row's to float64 rounding (the counts and absmax exactly).
+//               agree with the full row's to float64 rounding (the counts and absmax exactly);
+//   kModeHash   the fingerprint only (duplicate_batch's input fingerprint, the trace's target
+//               fingerprint): numel and the hash, the same bits as a full row's; every other
+//               column holds 0 (counts) or NaN (floats). The CPU pass reads the elements once for
+//               the hash alone, about twice as fast as a full row; the CUDA kernel computes a
+//               full row (it is memory-bound there) and packs it the same way.
 // A snapshot (update statistics) is honoured in every mode.
-enum PassMode : int32_t { kModeFull = 0, kModeNoHash = 1, kModeLean = 2 };
+enum PassMode : int32_t { kModeFull = 0, kModeNoHash = 1, kModeLean = 2, kModeHash = 3 };
 
 // The chunk table is `chunk_begin`: num_tensors + 1 ascending offsets, tensor i owning chunks
 // [chunk_begin[i], chunk_begin[i+1]) = ceil(numel_i / kChunkSize) of them.

@@ -337,6 +337,35 @@ inline __attribute__((always_inline)) void lean_body(const T* p, int64_t n, Stat
   *out = r;
 }
 
+// Note [Lean rows]'s kModeHash: numel and the un-finalized fingerprint sum S of Note [Hash] over a
+// contiguous run whose first element has logical index `base`, lane l summing the terms of
+// elements l, l + kLanes, ... (the sum is exact mod 2^64, so S has the same bits as chunk_body's).
+template <typename T>
+inline __attribute__((always_inline)) void hash_body(const T* p, int64_t base, int64_t n,
+                                                     StatsRecord* out) {
+  using Tr = ElemTraits<T>;
+  uint64_t h[kLanes] = {};
+  uint64_t ik[kLanes];
+  for (int l = 0; l < kLanes; ++l) ik[l] = static_cast<uint64_t>(base + l) * kHashIndexMul;
+  constexpr uint64_t kStep = static_cast<uint64_t>(kLanes) * kHashIndexMul;
+  const int64_t n_vec = n - n % kLanes;
+  for (int64_t i = 0; i < n_vec; i += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      h[l] += mix64(static_cast<uint64_t>(Tr::bits(load(p, i + l))) + ik[l]);
+      ik[l] += kStep;
+    }
+  }
+  StatsRecord r;
+  init_record(r);
+  for (int l = 0; l < kLanes; ++l) r.hash += h[l];
+  for (int64_t i = n_vec; i < n; ++i) {
+    r.hash += hash_term(static_cast<uint64_t>(Tr::bits(p[i])), base + i);
+  }
+  r.numel = n;
+  *out = r;
+}
+
 // Integer tensors take the statistics without the fingerprint (min, max and sum packed as NaN).
 template <typename T>
 inline __attribute__((always_inline)) void lean_chunk(const T* p, int64_t base, int64_t n,
@@ -394,6 +423,10 @@ inline __attribute__((always_inline)) void update_body(const T* p, T* s, int64_t
   TRAINSAN_CLONES void chunk(const T* p, int64_t b, int64_t n, StatsRecord* o, int32_t mode) { \
     if (mode == kModeLean) {                                                                   \
       lean_chunk<T>(p, b, n, o);                                                               \
+      return;                                                                                  \
+    }                                                                                          \
+    if (mode == kModeHash) {                                                                   \
+      hash_body<T>(p, b, n, o);                                                                \
       return;                                                                                  \
     }                                                                                          \
     if (mode == kModeFull) {                                                                   \

@@ -226,6 +226,42 @@ TEST(TensorStats, GradientStatsAreTheLeanColumns) {
   EXPECT_TRUE(trainsan::unpack_stats(trainsan::gradient_stats_packed({})).empty());
 }
 
+// Note [Lean rows]'s kModeHash: the fingerprint with the same bits as the full row's and as the
+// independent reference's, numel, and nothing else; views are hashed in logical order.
+TEST(TensorStats, FingerprintStatsAreTheHashOnly) {
+  std::vector<at::Tensor> ts;
+  for (const auto st : all_dtypes()) {
+    for (const int64_t n :
+         {int64_t{0}, int64_t{1}, int64_t{17}, kChunk - 1, kChunk + 1, 3 * kChunk + 17}) {
+      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * 13 + ts.size()));
+    }
+    const at::Tensor m = random_tensor(st, 300 * 70, 7 + ts.size()).reshape({300, 70});
+    ts.push_back(m.t());                 // transposed view
+    ts.push_back(m.slice(1, 3, 60, 2));  // strided slice
+  }
+  ts.push_back(at::full({2048}, kNaN));
+  ts.push_back(at::randint(0, 50000, {64, 33}, at::kLong));  // token ids
+  const auto full = trainsan::tensor_stats(ts);
+  const auto fp = trainsan::unpack_stats(trainsan::fingerprint_stats_packed(ts));
+  ASSERT_EQ(fp.size(), ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::string what = "tensors[" + std::to_string(i) + "] " + name(ts[i].scalar_type());
+    EXPECT_EQ(fp[i].numel, ts[i].numel()) << what;
+    EXPECT_EQ(fp[i].hash, full[i].hash) << what;
+    EXPECT_EQ(fp[i].hash, reference(ts[i]).hash) << what;
+    EXPECT_EQ(fp[i].nan + fp[i].posinf + fp[i].neginf + fp[i].zero + fp[i].subnormal, 0) << what;
+    EXPECT_FALSE(fp[i].min.has_value()) << what;
+    EXPECT_FALSE(fp[i].absmax.has_value()) << what;
+    EXPECT_TRUE(std::isnan(fp[i].sum) && std::isnan(fp[i].l2)) << what;
+  }
+  // A moved element changes the fingerprint (the index enters every term).
+  const at::Tensor a = at::arange(1000, at::kFloat);
+  const at::Tensor b = a.flip(0).contiguous();
+  const auto ab = trainsan::unpack_stats(trainsan::fingerprint_stats_packed({a, b}));
+  EXPECT_NE(ab[0].hash, ab[1].hash);
+  EXPECT_TRUE(trainsan::unpack_stats(trainsan::fingerprint_stats_packed({})).empty());
+}
+
 TEST(TensorStats, ManySmallTensors) {
   std::vector<at::Tensor> ts;
   for (int i = 0; i < 3000; ++i) {

@@ -183,7 +183,7 @@ std::vector<at::Tensor> mixed_list() {
 std::vector<char> modes_of(size_t n, int pattern) {
   std::vector<char> m(n);
   for (size_t i = 0; i < n; ++i) {
-    m[i] = static_cast<char>(pattern < 3 ? pattern : static_cast<int>(i % 3));
+    m[i] = static_cast<char>(pattern < 4 ? pattern : static_cast<int>(i % 4));
   }
   return m;
 }
@@ -234,8 +234,9 @@ TEST_F(TensorStatsGpu, SingleLaunchEqualsCpuEveryMode) {
   const std::vector<at::Tensor> gpu = to_cuda(cpu);
   std::vector<double> scale;
   for (const auto& t : cpu) scale.push_back(finite_abs_sum(t));
-  const char* names[] = {"full", "no hash", "lean", "mixed modes"};
-  for (int pattern = 0; pattern < 4; ++pattern) {
+  // kModeHash: a full row on CUDA, packed as the CPU's hash row (Note [Lean rows]).
+  const char* names[] = {"full", "no hash", "lean", "hash only", "mixed modes"};
+  for (int pattern = 0; pattern < 5; ++pattern) {
     const std::vector<char> modes = modes_of(cpu.size(), pattern);
     expect_packed_equal(trainsan::host::packed_cuda(gpu, nullptr, &modes),
                         trainsan::host::packed_cpu(cpu, nullptr, &modes), scale, names[pattern]);
@@ -282,7 +283,7 @@ TEST_F(TensorStatsGpu, SingleLaunchWithUpdateEqualsCpu) {
     snap_cpu.push_back(prev.clone());
     snap_gpu.push_back(prev.cuda());
   }
-  const std::vector<char> modes = modes_of(cpu.size(), 3);
+  const std::vector<char> modes = modes_of(cpu.size(), 4);
   expect_packed_equal(trainsan::host::packed_cuda(to_cuda(cpu), &snap_gpu, &modes),
                       trainsan::host::packed_cpu(cpu, &snap_cpu, &modes), scale, "update");
   // Both backends rewrote the snapshots with the current values.
@@ -300,8 +301,8 @@ TEST_F(TensorStatsGpu, RepeatedLaunchesBitwiseEqual) {
   const std::vector<at::Tensor> small = to_cuda(mixed_list());
   std::vector<at::Tensor> big = small;
   for (int i = 0; i < 1500; ++i) big.push_back(random_tensor(at::kHalf, i % 300, i).cuda());
-  const std::vector<char> modes_small = modes_of(small.size(), 3);
-  const std::vector<char> modes_big = modes_of(big.size(), 3);
+  const std::vector<char> modes_small = modes_of(small.size(), 4);
+  const std::vector<char> modes_big = modes_of(big.size(), 4);
   const auto run = [&](const std::vector<at::Tensor>& ts, const std::vector<char>& m) {
     const PackedStats p = trainsan::host::packed_cuda(ts, nullptr, &m);
     return std::make_pair(p.ints.cpu(), p.floats.cpu());
@@ -347,7 +348,7 @@ TEST_F(TensorStatsGpu, RepeatedLaunchesBitwiseEqual) {
 // of an uncaptured pass over the same values.
 TEST_F(TensorStatsGpu, CapturedInCudaGraph) {
   std::vector<at::Tensor> ts = to_cuda(mixed_list());
-  const std::vector<char> modes = modes_of(ts.size(), 3);
+  const std::vector<char> modes = modes_of(ts.size(), 4);
   const auto uncaptured = [&] {
     const PackedStats p = trainsan::host::packed_cuda(ts, nullptr, &modes);
     return std::make_pair(p.ints.cpu(), p.floats.cpu());

@@ -39,6 +39,12 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors);
 /// per-step read of the gradients); min and max are NaN and hash is 0. One device.
 PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors);
 
+/// The fingerprints only (Note [Lean rows], kModeHash): numel and hash with the same bits as
+/// tensor_stats_packed's; the other counts are 0 and the float columns NaN. On the CPU it reads
+/// each element once for the hash alone (the sanitizer's fingerprint of every training batch);
+/// on CUDA it costs a full pass. One device.
+PackedStats fingerprint_stats_packed(const std::vector<at::Tensor>& tensors);
+
 /// Convert packed results (any device; copied to the host if needed) to TensorStats.
 std::vector<TensorStats> unpack_stats(const PackedStats& packed);
 /// The column names of a packed result (without the update columns): the int64 columns, then
