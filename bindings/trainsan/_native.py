@@ -106,7 +106,12 @@ class HotEvents:
 
     def __init__(self, handle: Any) -> None:
         mod = hot_module()
-        hid = int(handle.hot_id()) if mod is not None else 0
+        hid = 0
+        if mod is not None:
+            try:
+                hid = int(handle.hot_id())
+            except Exception:  # noqa: BLE001 - a handle without an id: its own methods serve
+                mod = None
         for name in _HOT_EVENTS:
             fn = (functools.partial(getattr(mod, name), hid) if mod is not None
                   else getattr(handle, name))
