@@ -46,6 +46,15 @@ from ._patches import Patch
 
 _EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
 
+
+def _no_callback_getter() -> Any:
+    return True  # unknown: always the disable()d copy
+
+
+# Whether dynamo's frame-evaluation callback is set (None: not, so no frame of ours is traced).
+_eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                               "get_eval_frame_callback", _no_callback_getter)
+
 # Sanitizer._due_flag(i): the fields of the handle's due() tuple, asked once per training forward.
 DUE_STEP, DUE_INPLACE, DUE_RERUN, DUE_RECOMPUTE, DUE_HEADROOM, DUE_PROVENANCE = range(6)
 
@@ -89,8 +98,11 @@ class _Hook:
                 if san is None or san._in_compiled:
                     return None  # a compiled module's entry reports this forward
             return eager(*args)  # no entry of ours: leave the graph here (one break)
-        if eager is not None:
-            return eager(*args)  # never compiled, even from a frame dynamo fell back on
+        if eager is not None and _eval_frame_callback() is not None:
+            # A frame dynamo fell back on is running: dynamo would trace a new frame of ours.
+            return eager(*args)
+        # No dynamo callback is set (an eager loop): the disable()d copy would only cost its
+        # wrapper (~20 us a step with its code cold, Note [Hot path]).
         return self._run(*args)
 
 
