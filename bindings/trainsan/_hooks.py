@@ -64,7 +64,9 @@ class _Hook:
     lifetime]), with `args` before the hook's own arguments. A no-op once the sanitizer is gone.
     Traced by dynamo (Note [Compiled regions] in _compile.py): activation hooks vanish, the root
     pre-hook returns where a compiled call's entry reports the forward, and otherwise the root
-    pre-hook and the step hooks call `_eager`, a torch._dynamo.disable()d copy (one break)."""
+    pre-hook and the step hooks call `_eager`, a torch._dynamo.disable()d copy (one break). Run
+    eagerly they call `_eager` too while dynamo's frame callback is set (a frame it fell back on,
+    whose new frames it would trace), and the sanitizer directly otherwise."""
 
     __slots__ = ("_ref", "_method", "_args", "_eager", "__weakref__")
 
