@@ -332,8 +332,14 @@ std::vector<TensorStats> unpack_stats(const PackedStats& packed) {
           packed.floats.size(1) >= kn::kFloatFields && packed.ints.size(0) == packed.floats.size(0),
       "unpack_stats: expected ints [N, ", kn::kIntFields, "] and floats [N, ", kn::kFloatFields,
       "], got ", packed.ints.sizes(), " and ", packed.floats.sizes());
-  const at::Tensor ints = packed.ints.to(at::kCPU, at::kLong).contiguous();
-  const at::Tensor floats = packed.floats.to(at::kCPU, at::kDouble).contiguous();
+  // Host rows as the passes make them are read in place (no dispatcher call on the step path).
+  const auto on_host = [](const at::Tensor& t, at::ScalarType st) {
+    return t.device().is_cpu() && t.scalar_type() == st && t.is_contiguous()
+               ? t
+               : t.to(at::kCPU, st).contiguous();
+  };
+  const at::Tensor ints = on_host(packed.ints, at::kLong);
+  const at::Tensor floats = on_host(packed.floats, at::kDouble);
   const int64_t* ip = ints.const_data_ptr<int64_t>();
   const double* fp = floats.const_data_ptr<double>();
   std::vector<TensorStats> out(static_cast<size_t>(ints.size(0)));
