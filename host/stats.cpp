@@ -310,20 +310,24 @@ PackedStats tensor_stats_packed(const std::vector<at::Tensor>& tensors) {
   return host::packed_cpu(tensors);
 }
 
-PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors) {
-  host::check_tensors(tensors, "gradient_stats");
-  host::check_one_device(tensors, "gradient_stats");
-  const std::vector<char> modes(tensors.size(), static_cast<char>(kn::kModeLean));
+namespace {
+// One pass over tensors of one device, every row in `mode` (Note [Lean rows]).
+PackedStats packed_in_mode(const std::vector<at::Tensor>& tensors, kn::PassMode mode,
+                           const char* what) {
+  host::check_tensors(tensors, what);
+  host::check_one_device(tensors, what);
+  const std::vector<char> modes(tensors.size(), static_cast<char>(mode));
   if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors, nullptr, &modes);
   return host::packed_cpu(tensors, nullptr, &modes);
 }
+}  // namespace
+
+PackedStats gradient_stats_packed(const std::vector<at::Tensor>& tensors) {
+  return packed_in_mode(tensors, kn::kModeLean, "gradient_stats");
+}
 
 PackedStats fingerprint_stats_packed(const std::vector<at::Tensor>& tensors) {
-  host::check_tensors(tensors, "fingerprint_stats");
-  host::check_one_device(tensors, "fingerprint_stats");
-  const std::vector<char> modes(tensors.size(), static_cast<char>(kn::kModeHash));
-  if (!tensors.empty() && tensors[0].is_cuda()) return host::packed_cuda(tensors, nullptr, &modes);
-  return host::packed_cpu(tensors, nullptr, &modes);
+  return packed_in_mode(tensors, kn::kModeHash, "fingerprint_stats");
 }
 
 std::vector<TensorStats> unpack_stats(const PackedStats& packed) {

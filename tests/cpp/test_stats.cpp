@@ -175,17 +175,24 @@ TEST(TensorStats, ReferenceEveryDtype) {
 
 // Note [Lean rows]: the every-step tier's rows are the full rows' counts, sum, l2 and absmax with
 // the same bits (the same per-lane order of the sums), and nothing else.
-TEST(TensorStats, GradientStatsAreTheLeanColumns) {
+// Every dtype at sizes around the chunk boundaries (empty included), and per dtype a transposed
+// view and a strided slice; `seed` varies the values.
+std::vector<at::Tensor> sizes_and_views(uint64_t seed) {
   std::vector<at::Tensor> ts;
   for (const auto st : all_dtypes()) {
     for (const int64_t n :
          {int64_t{0}, int64_t{1}, int64_t{17}, kChunk - 1, kChunk + 1, 3 * kChunk + 17}) {
-      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * 7 + ts.size()));
+      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * seed + ts.size()));
     }
-    const at::Tensor m = random_tensor(st, 300 * 70, 99 + ts.size()).reshape({300, 70});
+    const at::Tensor m = random_tensor(st, 300 * 70, seed * 14 + ts.size()).reshape({300, 70});
     ts.push_back(m.t());                 // transposed view
     ts.push_back(m.slice(1, 3, 60, 2));  // strided slice
   }
+  return ts;
+}
+
+TEST(TensorStats, GradientStatsAreTheLeanColumns) {
+  std::vector<at::Tensor> ts = sizes_and_views(7);
   // Blocks with no special value (the ordinary path), with zeros, and all-special tensors.
   ts.push_back(at::randn({5 * 1024 + 3}));
   ts.push_back(at::randn({4096}) * (at::rand({4096}) > 0.5));
@@ -229,16 +236,7 @@ TEST(TensorStats, GradientStatsAreTheLeanColumns) {
 // Note [Lean rows]'s kModeHash: the fingerprint with the same bits as the full row's and as the
 // independent reference's, numel, and nothing else; views are hashed in logical order.
 TEST(TensorStats, FingerprintStatsAreTheHashOnly) {
-  std::vector<at::Tensor> ts;
-  for (const auto st : all_dtypes()) {
-    for (const int64_t n :
-         {int64_t{0}, int64_t{1}, int64_t{17}, kChunk - 1, kChunk + 1, 3 * kChunk + 17}) {
-      ts.push_back(random_tensor(st, n, static_cast<uint64_t>(n) * 13 + ts.size()));
-    }
-    const at::Tensor m = random_tensor(st, 300 * 70, 7 + ts.size()).reshape({300, 70});
-    ts.push_back(m.t());                 // transposed view
-    ts.push_back(m.slice(1, 3, 60, 2));  // strided slice
-  }
+  std::vector<at::Tensor> ts = sizes_and_views(13);
   ts.push_back(at::full({2048}, kNaN));
   ts.push_back(at::randint(0, 50000, {64, 33}, at::kLong));  // token ids
   const auto full = trainsan::tensor_stats(ts);
