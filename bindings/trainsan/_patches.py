@@ -50,7 +50,7 @@ _open_refs: tuple = ()
 
 
 def open_sanitizers() -> list:
-    """The open sanitizers, in the order they were opened."""
+    """The open sanitizers (not closed, not collected)."""
     out = []
     for ref in _open_refs:
         san = ref()
@@ -61,10 +61,7 @@ def open_sanitizers() -> list:
 
 def _rebuild_open() -> None:
     global _open_refs
-    live = [r for r in _open_refs if r() is not None and r() in _open_sanitizers]
-    known = {id(r()) for r in live}
-    live += [weakref.ref(s) for s in list(_open_sanitizers) if id(s) not in known]
-    _open_refs = tuple(live)
+    _open_refs = tuple(weakref.ref(s) for s in list(_open_sanitizers))
 
 # optimizer -> the sanitizers watching it (its GradScaler steps)
 _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = (
@@ -395,7 +392,7 @@ def backward_seen(tensors: Any, sanitizers: Optional[list] = None) -> None:
     a finding (policy raise)."""
     try:
         if _graphless(tensors):
-            for san in sanitizers if sanitizers is not None else list(_open_sanitizers):
+            for san in sanitizers if sanitizers is not None else open_sanitizers():
                 if not san._closed:
                     san._apply(san._handle.backward_without_graph())
         else:
@@ -443,7 +440,7 @@ def _save() -> list:
     orig = torch.save
 
     def save(obj, f, *args, **kwargs):
-        for san in [s for s in list(_open_sanitizers) if not s._closed]:
+        for san in open_sanitizers():
             try:
                 san._check_save(obj, f)
             except TrainingBugError:

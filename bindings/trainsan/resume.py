@@ -22,7 +22,7 @@ import torch
 
 from . import _native, _position, _resume_fit
 from ._findings import TrainingBugError
-from ._patches import _open_sanitizers
+from ._patches import open_sanitizers
 from .checkpoint import state_mismatches
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
@@ -115,8 +115,7 @@ def _owners(module: torch.nn.Module) -> list:
 
 
 def _watching() -> list:
-    return [san for san in list(_open_sanitizers)
-            if not san._closed and getattr(san, "_resume", None) is not None]
+    return [san for san in open_sanitizers() if getattr(san, "_resume", None) is not None]
 
 
 def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
