@@ -609,7 +609,7 @@ void SanitizerImpl::close() {
   if (replica_driver) replica_driver->finish();
   grads.remove();
   closed = true;
-  add_overhead(audit->take_overhead());
+  add_outside(audit->take_overhead());
   write_summary();
   trace.close();
 }

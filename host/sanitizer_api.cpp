@@ -43,7 +43,7 @@ Sanitizer::Sanitizer(Sanitizer&&) noexcept = default;
 Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
 
 void Sanitizer::report() {
-  impl_->add_overhead(impl_->audit->take_overhead());
+  impl_->add_outside(impl_->audit->take_overhead());
   for (Finding f : impl_->store.take_fresh()) {
     // Re-run attribution of a LibTorch loop (Setup::rerun_step): before the policy acts.
     if (impl_->rerun_step && !impl_->closed) {
@@ -89,11 +89,13 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
 }
 
 void Sanitizer::watch_loss(const at::Tensor& loss) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->loss(loss);
   report();
 }
 
 void Sanitizer::end_step(bool lr_zero) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->scaler_skipped = false;  // a skip reported before it is this iteration's (resolved then)
   if (!impl_->watch) {
     step_end(0, lr_zero);
@@ -106,6 +108,7 @@ void Sanitizer::end_step(bool lr_zero) {
 void Sanitizer::end_step(const at::Tensor& loss) { end_step(std::vector<at::Tensor>{loss}); }
 
 void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   if (impl_->closed) return;
   bool backward_ran = false;
   for (const at::Tensor& loss : losses) {
@@ -126,6 +129,7 @@ void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
 }
 
 void Sanitizer::forward(const ForwardFacts& facts) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->forward(facts);
   report();
 }
@@ -142,6 +146,7 @@ void Sanitizer::backward_without_graph() {
 }
 
 void Sanitizer::step_begin(int64_t opt) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->grads.set_in_step(true);
   impl_->record_versions(opt);
   impl_->check_updates_outside_step(opt);
@@ -150,6 +155,7 @@ void Sanitizer::step_begin(int64_t opt) {
 }
 
 void Sanitizer::step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
   report();
 }
@@ -172,6 +178,7 @@ void Sanitizer::amp_skip(int64_t opt) {
 }
 
 void Sanitizer::gradients_cleared(int64_t opt) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
   if (impl_->closed) return;
   impl_->gradients_cleared(opt);
   report();
@@ -340,7 +347,7 @@ bool Sanitizer::custom_grad_due(bool first_use) const {
          (first_use || impl_->checks.autograd.gradcheck_sampled(impl_->step));
 }
 
-void Sanitizer::add_overhead(double seconds) { impl_->add_overhead(seconds); }
+void Sanitizer::add_overhead(double seconds) { impl_->add_outside(seconds); }
 
 void Sanitizer::close() {
   impl_->close();
@@ -353,7 +360,10 @@ std::map<std::string, TensorStats> Sanitizer::last_stats() const { return impl_-
 
 int64_t Sanitizer::step() const { return impl_->step; }
 
-int64_t Sanitizer::loss_reaches(const at::Tensor& loss) { return impl_->loss_reaches(loss); }
+int64_t Sanitizer::loss_reaches(const at::Tensor& loss) {
+  const host::OwnClock clock(*impl_);  // Note [Own time]
+  return impl_->loss_reaches(loss);
+}
 
 double Sanitizer::overhead_seconds() const { return impl_->overhead_s; }
 

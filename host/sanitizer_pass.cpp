@@ -275,6 +275,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
                 [this, p](const std::vector<HostCopy>& c) { check_pass(*p, c); });
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
   readback.step_end();  // the previous pass (GPU), or this one (CPU, or sync)
+  flush_clock();        // this entry's time so far is this step's (Note [Own time])
   const auto now = Clock::now();
   if (last_step_end != Clock::time_point{}) {
     budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
@@ -471,6 +472,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.opt = p.opt;
     rec.lr_zero = p.lr_zero;
     rec.update_stats = v.totals.any_update;
+    flush_clock();  // Note [Own time]
     rec.overhead_s = step_overhead_s;
     rec.backwards = p.backwards;
     rec.totals = v.totals;

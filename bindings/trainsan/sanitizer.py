@@ -301,10 +301,12 @@ class Sanitizer:
                                        else (-1, 0, False, []))
         # The forward's reports, and what the members ask at a training forward (the handle's
         # due(), Sanitizer._due_flag) in the same call.
+        t1 = time.perf_counter()  # the C++ event times itself (Note [Own time])
         found, due = self._hot.forward(
-            training, inputs, module_eval, self._take_overhead(), _data_restarts[0],
+            training, inputs, module_eval, self._take_overhead() + (t1 - t0), _data_restarts[0],
             lpass, workers, init, batch
         )
+        t0 = time.perf_counter()
         train = training and torch.is_grad_enabled()
         self._due = due if train else None
         try:
@@ -347,11 +349,13 @@ class Sanitizer:
 
     def _begin_step(self, k: int) -> None:
         # Every member, also once closed (each is a no-op then, but for windows still to end).
+        t0 = time.perf_counter()
         binding = self._binding
         for call in self._calls["before_step"]:
             call(k)
             if self._binding != binding:
                 return  # re-bound: this step is in flight for the new hooks (Note [Attach order])
+        self._py_overhead += time.perf_counter() - t0
         if not self._closed:
             self._stepping.add(k)
             reports, headroom = self._hot.step_begin(k)  # headroom: the step, when due
@@ -449,8 +453,10 @@ class Sanitizer:
             # The flags of the backward whose gradients may go unused, before they are read (only
             # then: a zero_grad between the forward and its backward must not read them early).
             self._unstepped_backward = False
+            t0 = time.perf_counter()
             for call in self._calls["before_clear"]:
                 call(k)
+            self._py_overhead += time.perf_counter() - t0
         self._apply(self._hot.gradients_cleared(k))
 
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
@@ -485,10 +491,12 @@ class Sanitizer:
         if self._closed:
             return
         self._unstepped_backward = True
+        t0 = time.perf_counter()
         if not self._first_watch(loss):
             return
         for call in self._calls["on_loss"]:
             call(loss)
+        self._py_overhead += time.perf_counter() - t0
         self._apply(self._hot.loss(_local(loss)))
         self._targets(loss)
 

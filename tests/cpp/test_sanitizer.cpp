@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -539,6 +541,40 @@ TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
     EXPECT_EQ(got.size(), san.findings().size()) << policy;
     EXPECT_EQ(of_kind(san.findings(), "stale_grad").size(), 4u) << policy;
   }
+}
+
+// Note [Own time]: TrainSan's own time takes each per-step entry whole, once. A report callback
+// that takes 20 ms per finding runs inside the entries (report()): all of it is own time (a clock
+// of sections alone missed it), and counted once (end_step nests step_end: counted twice, the own
+// time would exceed the loop's wall time).
+TEST(Sanitizer, OwnTimeTakesEachEntryWholeAndOnce) {
+  using Clock = std::chrono::steady_clock;
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1));
+  int reports = 0;
+  trainsan::Setup setup;
+  setup.report = [&](const trainsan::Finding&, trainsan::Action) {
+    ++reports;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  };
+  trainsan::Sanitizer san(params_of(net), record(), setup);
+  const double own0 = san.overhead_seconds();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 5; ++i) {  // no zero_grad (stale_grad), batch 2 twice (duplicate_batch)
+    const Batch b = batch(std::min(i, 2));
+    san.begin_step({b.x, b.y});
+    auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
+    san.watch_loss(loss);
+    loss.backward();
+    opt.step();
+    san.end_step();
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double own = san.overhead_seconds() - own0;
+  ASSERT_GE(reports, 2);
+  EXPECT_GE(own, 0.020 * reports) << reports << " reports";
+  EXPECT_LE(own, wall);
 }
 
 // A tensor the step left unchanged (Note [Unchanged tensors]), from LibTorch: named per tensor;
