@@ -147,6 +147,7 @@ class Contender:
         self.san = None
         self.py = None
         self.own_samples: list[float] = []  # the sanitizer's own time, per step
+        self.faults = 0  # minor page faults in the timed steps (CPU; one contender runs at a time)
         self.timers: dict = {}
         if name == "trainsan":
             self.san = trainsan.attach(model, self.opt, policy="record")
@@ -169,6 +170,7 @@ class Contender:
 
     def start_timing(self) -> None:
         self.samples.clear()
+        self.faults = 0
         self.round_medians.clear()
         self.own_samples.clear()
         for v in self.timers.values():
@@ -203,6 +205,7 @@ class Contender:
                     self.own_samples.extend([(self.own_overhead() - own0) / steps] * steps)
             else:
                 ts, own = [], []
+                faults = page_faults()
                 for _ in range(steps):
                     own0 = self.own_overhead()
                     t0 = time.perf_counter()
@@ -213,6 +216,7 @@ class Contender:
                     self.samples.extend(ts)
                     self.round_medians.append(statistics.median(ts))
                     self.own_samples.extend(own)
+                    self.faults += page_faults() - faults
 
     def close(self) -> None:
         if self.san is not None:
@@ -335,6 +339,7 @@ def bench_model(kind, args, device, names):
             "own_ms": statistics.median(c.own_samples) * 1e3,
             "own_mean_ms": statistics.fmean(c.own_samples) * 1e3,
             "samples": len(c.samples),
+            "faults_per_step": c.faults / max(1, len(c.samples)),
             "findings": c.findings(),
         }
         if c.timers:
@@ -349,7 +354,7 @@ def bench_model(kind, args, device, names):
 
 def fmt_table(results) -> str:
     head = (f"{'model':<12} {'params':>6} {'contender':<15} {'ms/step':>8} {'x plain':>7} "
-            f"{'ovh ms':>7} {'paired':>7} {'p.ovh':>7} {'own ms':>7} {'vs py':>12}")
+            f"{'ovh ms':>7} {'paired':>7} {'p.ovh':>7} {'own ms':>7} {'vs py':>12} {'faults':>7}")
     lines = [head, "-" * len(head)]
     for res in results:
         cs = res["contenders"]
@@ -367,7 +372,7 @@ def fmt_table(results) -> str:
             lines.append(
                 f"{model:<12} {params:>6} {name:<15} {e['ms']:8.2f} {e['ratio']:7.3f} "
                 f"{e['overhead_ms']:7.2f} {e['paired_ratio']:7.3f} "
-                f"{e['paired_overhead_ms']:7.2f} {own:>7} {vs:>12}")
+                f"{e['paired_overhead_ms']:7.2f} {own:>7} {vs:>12} {e['faults_per_step']:7.0f}")
             first = False
         if san is not None and py is not None:
             lines.append(f"{'':<12} {'':>6} own time, pure-python/trainsan: "
@@ -583,7 +588,8 @@ def main(argv=None) -> int:
     print("ms/step: median over all timed steps; x plain: ratio of medians; ovh: median - plain\n"
           "median; paired, p.ovh: median over rounds of the per-round ratio and difference to\n"
           "plain; own: the sanitizer's own measured time per step (median); vs py: pure-Python\n"
-          "overhead / trainsan overhead (ovh / p.ovh).")
+          "overhead / trainsan overhead (ovh / p.ovh); faults: minor page faults per timed step\n"
+          "(CPU; see --malloc).")
     if "overhead_budget" in trainsan.OPTIONS:
         print("trainsan: default options (overhead_budget=%g: update statistics sampled to stay "
               "within it); trainsan-full: overhead_budget=None (update statistics every step)."

@@ -58,6 +58,21 @@ void train(Net& net, torch::optim::Optimizer& opt, trainsan::Sanitizer& san, int
   }
 }
 
+// Five steps of batches 0, 1, 2 and then 2 again (the data stops advancing: duplicate_batch),
+// never calling zero_grad (stale_grad).
+void train_without_zero_grad_repeating(Net& net, torch::optim::Optimizer& opt,
+                                       trainsan::Sanitizer& san) {
+  for (int i = 0; i < 5; ++i) {
+    const Batch b = batch(std::min(i, 2));
+    san.begin_step({b.x, b.y});
+    auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
+    san.watch_loss(loss);
+    loss.backward();
+    opt.step();
+    san.end_step();
+  }
+}
+
 }  // namespace
 
 TEST(Sanitizer, CleanLibTorchLoopHasNoFindings) {
@@ -524,15 +539,7 @@ TEST(Sanitizer, PolicyAnswersThroughTheReportCallback) {
     // zero_grad (stale_grad): nothing throws, even under "raise", because the callback takes the
     // answers.
     EXPECT_NO_THROW({
-      for (int i = 0; i < 5; ++i) {
-        const Batch b = batch(std::min(i, 2));
-        san.begin_step({b.x, b.y});
-        auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
-        san.watch_loss(loss);
-        loss.backward();
-        opt.step();
-        san.end_step();
-      }
+      train_without_zero_grad_repeating(net, opt, san);
       san.close();
     }) << policy;
     const std::set<std::tuple<std::string, std::string, Action>> distinct(got.begin(), got.end());
@@ -561,15 +568,7 @@ TEST(Sanitizer, OwnTimeTakesEachEntryWholeAndOnce) {
   trainsan::Sanitizer san(params_of(net), record(), setup);
   const double own0 = san.overhead_seconds();
   const auto t0 = Clock::now();
-  for (int i = 0; i < 5; ++i) {  // no zero_grad (stale_grad), batch 2 twice (duplicate_batch)
-    const Batch b = batch(std::min(i, 2));
-    san.begin_step({b.x, b.y});
-    auto loss = torch::nn::functional::cross_entropy(net.forward(b.x), b.y);
-    san.watch_loss(loss);
-    loss.backward();
-    opt.step();
-    san.end_step();
-  }
+  train_without_zero_grad_repeating(net, opt, san);
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   const double own = san.overhead_seconds() - own0;
   ASSERT_GE(reports, 2);
