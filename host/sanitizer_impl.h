@@ -80,8 +80,9 @@ struct SanitizerImpl {
   // any entry is added as measured by whoever spent it (add_outside: the op audit's dispatcher
   // hooks, the Python side's own time, which the bindings pass in). The budget and the step
   // record read the clock up to now (flush_clock) so that the running entry's time counts for
-  // its own step. Before this, only sections were timed: on the bench CNN that saw about a
-  // quarter of the time TrainSan added to a step, and the budget spent what it did not see.
+  // its own step. Before this only sections were timed, and the Python side timed the forward's
+  // C++ call besides: what ran outside the sections (the checks' reports, report() and its
+  // callback) was missed and the forward's sections counted twice.
   void add_overhead(double s) {
     if (clock_depth == 0) add_outside(s);
   }
