@@ -261,12 +261,10 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
     kn::StatsRecord r;
     kn::combine_records(partials.data() + w.chunk_begin[t], w.chunk_begin[t + 1] - w.chunk_begin[t],
                         &r);
-    const bool lean = w.descs[t].mode == kn::kModeLean;
-    const bool hash_only = w.descs[t].mode == kn::kModeHash;
     if (with_update) {
-      kn::pack_record_update(r, ip + t * ni, fp + t * nf, lean, hash_only);
+      kn::pack_record_update(r, ip + t * ni, fp + t * nf, w.descs[t].mode);
     } else {
-      kn::pack_record(r, ip + t * ni, fp + t * nf, lean, hash_only);
+      kn::pack_record(r, ip + t * ni, fp + t * nf, w.descs[t].mode);
     }
   }
   return {ints, floats};

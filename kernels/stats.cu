@@ -164,13 +164,12 @@ __device__ __forceinline__ StatsRecord load_partial(const StatsRecord* p) {
 
 __device__ __forceinline__ void pack_row(const StatsRecord& r, const TensorDesc& t, int64_t row,
                                          int64_t* out_int, double* out_float, bool with_update) {
-  const bool lean = t.mode == kModeLean;
-  const bool hash_only = t.mode == kModeHash;  // computed as a full row (Note [Lean rows])
+  // A kModeHash row is computed as a full row here and packed as a hash row (Note [Lean rows]).
   if (with_update) {
     pack_record_update(r, out_int + row * kIntFieldsUpdate, out_float + row * kFloatFieldsUpdate,
-                       lean, hash_only);
+                       t.mode);
   } else {
-    pack_record(r, out_int + row * kIntFields, out_float + row * kFloatFields, lean, hash_only);
+    pack_record(r, out_int + row * kIntFields, out_float + row * kFloatFields, t.mode);
   }
 }
 

@@ -226,7 +226,7 @@ TRAINSAN_HD ElemClass classify(T v, typename ElemTraits<T>::Acc x) {
 }
 
 // Note [Lean rows]: the counts, sum, sumsq and absmax of one element, nothing else (min/max keep
-// their identities and are written as NaN by pack_record(..., lean = true)).
+// their identities and are written as NaN by pack_record(..., kModeLean)).
 template <typename T>
 TRAINSAN_HD void accumulate_lean(StatsRecord& r, T v) {
   using Tr = ElemTraits<T>;
@@ -281,9 +281,10 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
 }
 
 // Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
-// is finite; a lean row (Note [Lean rows]) has NaN for min and max and hash 0.
-TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats, bool lean = false,
-                             bool hash_only = false) {
+// is finite; the row's PassMode (Note [Lean rows]) blanks what it did not compute: a lean row has
+// NaN for min and max and hash 0, a hash row only numel and the hash.
+TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats,
+                             int32_t mode = kModeFull) {
   ints[kColNumel] = r.numel;
   ints[kColNan] = r.nan;
   ints[kColPosinf] = r.posinf;
@@ -299,11 +300,11 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
   floats[kColAbsmax] = finite > 0 ? r.absmax : nan;
   floats[kColSum] = r.sum;
   floats[kColL2] = sqrt(r.sumsq);
-  if (lean) {
+  if (mode == kModeLean) {
     ints[kColHash] = 0;
     floats[kColMin] = floats[kColMax] = nan;
   }
-  if (hash_only) {  // Note [Lean rows]: kModeHash
+  if (mode == kModeHash) {
     ints[kColNan] = ints[kColPosinf] = ints[kColNeginf] = ints[kColZero] = ints[kColSubnormal] =
         ints[kColFp16Overflow] = 0;
     floats[kColMin] = floats[kColMax] = floats[kColAbsmax] = floats[kColSum] = floats[kColL2] = nan;
@@ -312,8 +313,8 @@ TRAINSAN_HD void pack_record(const StatsRecord& r, int64_t* ints, double* floats
 
 // Packed row with update statistics: pack_record's columns, then the update columns.
 TRAINSAN_HD void pack_record_update(const StatsRecord& r, int64_t* ints, double* floats,
-                                    bool lean = false, bool hash_only = false) {
-  pack_record(r, ints, floats, lean, hash_only);
+                                    int32_t mode = kModeFull) {
+  pack_record(r, ints, floats, mode);
   ints[kColChanged] = r.changed;
   floats[kColUpdateL2] = sqrt(r.dsumsq);
   floats[kColUpdateMax] = r.dmax;
