@@ -222,7 +222,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     int64_t row = 0;
     auto push = [&](const at::Tensor& t, const at::Tensor& snap, kn::PassMode mode) {
       const DevKey d = key_of(t);
-      tensors[d].push_back(t.detach());
+      tensors[d].push_back(untracked(t));
       modes[d].push_back(static_cast<char>(mode));
       snaps[d].push_back(snap);
       global_rows[d].push_back(row);
@@ -335,7 +335,7 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
         g.unsafeGetTensorImpl()->is_python_dispatch()) {
       continue;
     }
-    grads_of[key_of(g)].push_back(g.detach());
+    grads_of[key_of(g)].push_back(untracked(g));
     which[key_of(g)].push_back(i);
   }
   for (const auto& [dev, gs] : grads_of) {

@@ -281,6 +281,8 @@ class Sanitizer:
 
     def _apply(self, reports) -> None:
         """Map the policy's answers (decided in C++) to an exception or a warning."""
+        if not reports:
+            return  # most events report nothing: no generator for them
         for t, action in attributed(self, reports):  # Note [Re-run attribution]
             if ACTIONS[action] == "raise":
                 raise TrainingBugError(Finding._from_tuple(t))

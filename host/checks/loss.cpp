@@ -159,25 +159,32 @@ void LossCheck::spike(double x, int64_t step, bool skipped) {
   std::string what;
   double factor = 0.0;
   if (seen_ >= opts_.loss_spike_warmup && !window_.empty()) {
+    // Every step runs this: the three conditions are tested cheapest first, each statistic
+    // computed only when the ones before it hold (a loss at or below the window's largest never
+    // gets past the second), which changes no verdict.
     const double m = median_of(window_);
-    std::vector<double> dev(window_.size());
-    for (size_t k = 0; k < window_.size(); ++k) dev[k] = std::abs(window_[k] - m);
-    const double mad = median_of(dev);
-    const double top = *std::max_element(window_.begin(), window_.end());
-    const double lowest = *std::min_element(window_.begin(), window_.end());
-    const double first = first_ ? std::abs(*first_) : 0.0;
-    const double band =
-        std::max({kMadToSigma * mad, kRelativeFloor * std::abs(m), kFirstLossFloor * first, 1e-12});
     const double excess = x - m;
-    bool beyond = true;
-    if (lowest > 0.0 && x > 0.0) {
+    const double top = *std::max_element(window_.begin(), window_.end());
+    bool spiked = excess > 0.0 && excess > 2.0 * (top - m);
+    double band = 0.0;
+    if (spiked) {
+      std::vector<double> dev(window_.size());
+      for (size_t k = 0; k < window_.size(); ++k) dev[k] = std::abs(window_[k] - m);
+      const double mad = median_of(dev);
+      const double first = first_ ? std::abs(*first_) : 0.0;
+      band = std::max(
+          {kMadToSigma * mad, kRelativeFloor * std::abs(m), kFirstLossFloor * first, 1e-12});
+      spiked = excess > opts_.loss_spike_factor * band;
+    }
+    const double lowest = spiked ? *std::min_element(window_.begin(), window_.end()) : 0.0;
+    if (spiked && lowest > 0.0 && x > 0.0) {
       std::vector<double> logs(window_.size());
       for (size_t k = 0; k < window_.size(); ++k) logs[k] = std::log(window_[k]);
       const double lm = median_of(logs);
       for (double& l : logs) l = std::abs(l - lm);
-      beyond = std::log(x / top) > kLogSpreads * kMadToSigma * median_of(logs);
+      spiked = std::log(x / top) > kLogSpreads * kMadToSigma * median_of(logs);
     }
-    if (excess > opts_.loss_spike_factor * band && excess > 2.0 * (top - m) && beyond) {
+    if (spiked) {
       flagged = true;
       const bool ratio = m > 0.0;
       factor = ratio ? x / m : excess / band;
