@@ -471,6 +471,12 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
 // optimizer.step(). Healthy loops never clear unused gradients: no cost to them.
 void SanitizerImpl::gradients_cleared(int64_t opt) {
   if (closed || grads.in_step()) return;
+  // Rows a step began with and did not end (its update raised): not kept past its gradients.
+  if (opt < 0) {
+    begin_rows.clear();
+  } else {
+    begin_rows.erase(opt);
+  }
   window_cleared(opt);
   if (!opts.enabled("nonfinite_grad")) return;
   const auto t0 = Clock::now();
@@ -608,6 +614,7 @@ void SanitizerImpl::close() {
   checks.accumulation.on_close();  // a short window pending: the run's last
   if (replica_driver) replica_driver->finish();
   grads.remove();
+  begin_rows.clear();
   closed = true;
   add_outside(audit->take_overhead());
   write_summary();

@@ -136,6 +136,16 @@ struct SanitizerImpl {
   std::map<int64_t, int64_t> forced_update;
   void record_versions(int64_t opt);
   bool versions_unmoved(int64_t opt);
+  // Note [Gradients read at the step's beginning] (sanitizer_pass.cpp): per optimizer, the lean
+  // rows of its gradients read at its step's begin, and which gradient (tensor and version) each
+  // row is of; the step end uses a row where the gradient is still that tensor at that version.
+  struct BeginRows {
+    std::vector<HostCopy> copies;                              // one per device
+    std::map<size_t, std::pair<size_t, int64_t>> row_of;       // parameter index -> (copy, row)
+    std::map<size_t, std::pair<at::Tensor, int64_t>> grad_of;  // parameter index -> (grad, version)
+  };
+  std::map<int64_t, BeginRows> begin_rows;
+  void read_grads_at_begin(int64_t opt);
   std::chrono::steady_clock::time_point last_step_end{};
   double overhead_at_last_step_end = 0.0;
   Coverage coverage;                  // what was checked (Sanitizer::coverage)

@@ -613,6 +613,46 @@ TEST(Sanitizer, TensorTheStepLeftUnchangedFromLibTorch) {
   }
 }
 
+// Note [Gradients read at the step's beginning]: the step's gradient rows are read at step_begin
+// and used at step_end where the gradient is the same tensor at the same version. A NaN written
+// into fc1.weight's gradient after the update, at step 1: in place (its version moves) or as a
+// new tensor, the step end reads it again (nonfinite_grad at step 1); through .data() (no version
+// move) the step's rows are those read at its begin (none); and without a write, no finding.
+TEST(Sanitizer, GradientsReadAtTheStepsBeginAndAgainWhereTheStepWroteThem) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const std::string write : {"none", "in place", "new tensor", "hidden"}) {
+    torch::manual_seed(0);
+    Net net;
+    trainsan::Sanitizer san(params_of(net), record(), trainsan::Setup{});
+    for (int i = 0; i < 3; ++i) {
+      const Batch b = batch(i);
+      for (auto& p : net.parameters()) p.mutable_grad() = torch::Tensor();
+      san.begin_step({b.x});
+      torch::nn::functional::cross_entropy(net.forward(b.x), b.y).backward();
+      san.step_begin(0);
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : net.parameters()) p.sub_(p.grad() * 0.1);
+      }
+      torch::Tensor g = net.fc1->weight.mutable_grad();
+      if (i == 1 && write == "in place") g.view(-1)[0].fill_(nan);
+      if (i == 1 && write == "new tensor") {
+        net.fc1->weight.mutable_grad() = g.clone();
+        net.fc1->weight.mutable_grad().view(-1)[0].fill_(nan);
+      }
+      if (i == 1 && write == "hidden") g.data().view(-1)[0].fill_(nan);
+      san.step_end(0, false, {0.1});
+    }
+    san.close();
+    std::vector<int64_t> at;
+    for (const auto& f : san.findings()) {
+      if (f.kind == "nonfinite_grad") at.push_back(f.step);
+    }
+    const bool reread = write == "in place" || write == "new tensor";
+    EXPECT_EQ(at, reread ? std::vector<int64_t>{1} : std::vector<int64_t>{}) << write;
+  }
+}
+
 // Attached inside a step (step_in_flight): the closure's remaining forwards and backwards are
 // part of it, and the step it ends is not judged.
 TEST(Sanitizer, StepInFlightAtAttach) {
