@@ -11,7 +11,8 @@ namespace trainsan::host {
 // Note [Every-step tier]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // Every step gets the essentials: the hooks (forwards, losses, backwards, gradient arrival) and
-// one fused read of the stepping optimizer's gradients — the lean rows of Note [Lean rows]:
+// one fused read of the stepping optimizer's gradients, at its step's beginning (Note [Gradients
+// read at the step's beginning] in sanitizer_pass.cpp) — the lean rows of Note [Lean rows]:
 // non-finite, zero, subnormal and fp16-overflow counts, sum, ||g|| and max|g| per tensor, which
 // is all the gradient checks read; one launch on CUDA, its flags read one step late (Note [Lagged
 // checks]). The parameters are read on sampled steps only: with the update statistics (the step
