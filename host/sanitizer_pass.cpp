@@ -103,6 +103,32 @@ DevKey key_of(const at::Tensor& t) {
   return {static_cast<int>(t.device().type()), t.device().index()};
 }
 
+// The gradients an early read takes (step begin, device stop), by device, with their parameters'
+// indices: optimizer `opt`'s (all with opt < 0), and those in no optimizer with `orphans`. Left
+// out: distributed parameters (DTensor, FSDP2: their local shards reach the sanitizer after the
+// step, local_shards(), and the gradient itself is a tensor subclass) and gradients the lean pass
+// has nothing to read in.
+struct GradsByDevice {
+  std::map<DevKey, std::vector<at::Tensor>> grads;
+  std::map<DevKey, std::vector<size_t>> which;
+};
+GradsByDevice grads_by_device(const std::vector<TrackedParam>& params, int64_t opt, bool orphans) {
+  GradsByDevice out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool orphan = orphans && params[i].opt < 0;
+    if (opt >= 0 && params[i].opt != opt && !orphan) continue;
+    if (params[i].local.defined()) continue;
+    const at::Tensor& g = params[i].param.grad();
+    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0 ||
+        g.unsafeGetTensorImpl()->is_python_dispatch()) {
+      continue;
+    }
+    out.grads[key_of(g)].push_back(untracked(g));
+    out.which[key_of(g)].push_back(i);
+  }
+  return out;
+}
+
 }  // namespace
 
 void SanitizerImpl::initial_param_norms() {
@@ -348,21 +374,9 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt) {
   if (closed || opts.fingerprints || trace.is_open() || replicas) return;
   const auto t0 = Clock::now();
   BeginRows b;
-  std::map<DevKey, std::vector<at::Tensor>> grads_of;
-  std::map<DevKey, std::vector<size_t>> which;
-  for (size_t i = 0; i < params.size(); ++i) {
-    // As step_end picks them: this optimizer's parameters and those in none.
-    if (params[i].opt != opt && params[i].opt >= 0) continue;
-    if (params[i].local.defined()) continue;
-    const at::Tensor& g = params[i].param.grad();
-    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0 ||
-        g.unsafeGetTensorImpl()->is_python_dispatch()) {
-      continue;
-    }
-    grads_of[key_of(g)].push_back(untracked(g));
-    which[key_of(g)].push_back(i);
-  }
-  for (const auto& [dev, gs] : grads_of) {
+  // As step_end picks them: this optimizer's parameters and those in none.
+  const GradsByDevice by = grads_by_device(params, opt, /*orphans=*/true);
+  for (const auto& [dev, gs] : by.grads) {
     PackedStats packed;
     try {
       packed = gradient_stats_packed(gs);
@@ -371,7 +385,7 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt) {
     }
     const size_t c = b.copies.size();
     b.copies.push_back(start_host_copy(packed));
-    const std::vector<size_t>& w = which.at(dev);
+    const std::vector<size_t>& w = by.which.at(dev);
     for (size_t r = 0; r < w.size(); ++r) {
       b.row_of[w[r]] = {c, static_cast<int64_t>(r)};
       const at::Tensor& g = params[w[r]].param.grad();  // itself, not untracked()'s alias
@@ -407,22 +421,8 @@ bool SanitizerImpl::versions_unmoved(int64_t opt) {
 void SanitizerImpl::stop_before_step(int64_t opt) {
   if (!opts.device_stop || closed) return;
   const auto t0 = Clock::now();
-  std::map<DevKey, std::vector<at::Tensor>> grads_of;
-  std::map<DevKey, std::vector<size_t>> which;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (opt >= 0 && params[i].opt != opt) continue;
-    // Distributed parameters (DTensor, FSDP2) are left out: their local shards reach the
-    // sanitizer after the step (local_shards), and the gradient itself is a tensor subclass.
-    if (params[i].local.defined()) continue;
-    const at::Tensor& g = params[i].param.grad();
-    if (!g.defined() || g.layout() != at::kStrided || g.numel() == 0 ||
-        g.unsafeGetTensorImpl()->is_python_dispatch()) {
-      continue;
-    }
-    grads_of[key_of(g)].push_back(untracked(g));
-    which[key_of(g)].push_back(i);
-  }
-  for (const auto& [dev, gs] : grads_of) {
+  const GradsByDevice by = grads_by_device(params, opt, /*orphans=*/false);
+  for (const auto& [dev, gs] : by.grads) {
     PackedStats packed;
     try {
       packed = gradient_stats_packed(gs);
@@ -438,7 +438,7 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
     std::string first;
     for (size_t k = 0; k < st.size(); ++k) {
       bad += st[k].nonfinite();
-      if (first.empty() && st[k].nonfinite() > 0) first = params[which.at(dev)[k]].name;
+      if (first.empty() && st[k].nonfinite() > 0) first = params[by.which.at(dev)[k]].name;
     }
     TORCH_CHECK(bad == 0, "trainsan: device_stop: ", bad,
                 " non-finite gradient elements (first in ", first,
