@@ -364,7 +364,11 @@ void SanitizerImpl::record_versions(int64_t opt) {
 // the version) and a new read of any other (a closure or line search that recomputed them, an
 // optimizer that changed them in place, a gradient that appeared during the step). The pass is
 // deterministic, so a row read early has the bits the step end's read would have had: no finding
-// changes, nor the step it is reported at. Read at the end as before: a step with no beginning
+// changes, nor the step it is reported at. A write during the step that moves no version is not
+// seen by the step's rows: the rows are the gradients as the step began. The one such write known
+// to torch.optim is a fused optimizer's in-place unscale when a GradScaler hands it `grad_scale`
+// (then `step_begin(opt, grads_final=false)`: the Python package passes it, and the gradients are
+// read at the end). Read at the end as before: a step with no beginning
 // (in flight at attach, manual mode, a LibTorch loop's end_step), the steps whose gradients are
 // fingerprinted (option fingerprints, a trace open, the replica comparison), and distributed
 // parameters (their local shards arrive at the step end). Rows not used by the step end are

@@ -81,7 +81,7 @@ Reports handle_loss(SanitizerHandle& h, const at::Tensor& loss);
 int64_t handle_loss_reaches(SanitizerHandle& h, const at::Tensor& loss);
 // The reports, and the step whose precision headroom is due at this step's end (-1: none;
 // headroom_due() asked before the step begins).
-std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt);
+std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt, bool grads_final);
 Reports handle_step_end(SanitizerHandle& h, int64_t opt, bool lr_zero, double extra_s,
                         const std::vector<double>& group_lr);
 Reports handle_gradients_cleared(SanitizerHandle& h, int64_t opt);

@@ -54,8 +54,8 @@ PYBIND11_MODULE(_trainsan_hot, m) {
   m.def("loss_reaches", [](int64_t id, const at::Tensor& loss) {
     return guarded([&] { return tb::handle_loss_reaches(handle(id), loss); });
   });
-  m.def("step_begin", [](int64_t id, int64_t opt) {
-    return guarded([&] { return tb::handle_step_begin(handle(id), opt); });
+  m.def("step_begin", [](int64_t id, int64_t opt, bool grads_final) {
+    return guarded([&] { return tb::handle_step_begin(handle(id), opt, grads_final); });
   });
   m.def("step_end", [](int64_t id, int64_t opt, bool lr_zero, double extra_s,
                        const std::vector<double>& group_lr) {

@@ -230,9 +230,9 @@ int64_t handle_loss_reaches(SanitizerHandle& h, const at::Tensor& loss) {
   return h.san->loss_reaches(loss);
 }
 
-std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt) {
+std::tuple<Reports, int64_t> handle_step_begin(SanitizerHandle& h, int64_t opt, bool grads_final) {
   const int64_t headroom = h.san->headroom_due() ? h.san->step() : -1;
-  h.san->step_begin(opt);
+  h.san->step_begin(opt, grads_final);
   return std::make_tuple(h.take(), headroom);
 }
 
@@ -324,7 +324,10 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->backward_without_graph();
              return h->take();
            })
-      .def("step_begin", [](const H& h, int64_t opt) { return tb::handle_step_begin(*h, opt); })
+      .def("step_begin",
+           [](const H& h, int64_t opt, bool grads_final) {
+             return tb::handle_step_begin(*h, opt, grads_final);
+           })
       .def("step_end",
            [](const H& h, int64_t opt, bool lr_zero, double extra_s, std::vector<double> group_lr) {
              return tb::handle_step_end(*h, opt, lr_zero, extra_s, group_lr);

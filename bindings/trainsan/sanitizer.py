@@ -360,7 +360,11 @@ class Sanitizer:
         self._py_overhead += time.perf_counter() - t0
         if not self._closed:
             self._stepping.add(k)
-            reports, headroom = self._hot.step_begin(k)  # headroom: the step, when due
+            # A fused optimizer stepped by a GradScaler (which hands it `grad_scale`) unscales
+            # the gradients inside its step, in place and without moving their versions: they
+            # are read at the step end then (Note [Gradients read at the step's beginning]).
+            final = self._optimizers[k].__dict__.get("grad_scale") is None
+            reports, headroom = self._hot.step_begin(k, final)  # headroom: the step, when due
             if headroom >= 0:
                 self._headroom_at[k] = headroom
             self._apply(reports)

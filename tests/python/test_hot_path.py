@@ -122,4 +122,4 @@ def test_a_released_handle_is_an_error_not_a_crash():
     if mod is None:
         pytest.skip(f"no _trainsan_hot ({_native.hot_problem})")
     with pytest.raises(Exception, match="is gone"):
-        mod.step_begin(10**12, 0)
+        mod.step_begin(10**12, 0, True)

@@ -229,3 +229,30 @@ def test_updates_through_data_cost_one_extra_update_step_not_every_step():
     # warm-up 2, the sampled ones (every 50th) and the one trigger at the first unmoved step.
     assert cov["update_steps"] <= 2 + 3 + 1, cov
     assert [f for f in san.findings if f.severity == "error"] == []
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gradients_a_fused_step_unscales_are_read_after_it(fused):
+    """Note [Gradients read at the step's beginning]: a fused optimizer stepped by a GradScaler
+    unscales the gradients inside its step, in place and without moving their versions, so the
+    read at the step's begin would see them scaled (x 2^16 here); they are read at the step end.
+    The recorded gradient norm is the unscaled one, as torch computes it after the step (float64)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    san = trainsan.attach(model, opt, policy="record")
+    try:
+        for i in range(4):
+            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            stats = san.last_stats()
+            for name, p in model.named_parameters():
+                want = p.grad.double().norm().item()
+                assert stats[name + ".grad"].l2 == pytest.approx(want, rel=1e-9), (i, name)
+        assert not san.findings
+    finally:
+        san.close()

@@ -247,8 +247,11 @@ class Sanitizer {
   /// Whether a step already looked like Note [Foreign backwards]: only then is it worth naming
   /// what a foreign backward reached (ForeignBackward::holder, a search).
   bool foreign_suspected() const;
-  /// Optimizer `opt` is about to step.
-  void step_begin(int64_t opt);
+  /// Optimizer `opt` is about to step; its gradients are read now (Note [Gradients read at the
+  /// step's beginning] in host/sanitizer_pass.cpp). `grads_final` false: the step itself will
+  /// change them without moving their version counters (a fused optimizer that unscales them for
+  /// a loss scaler), so they are read at step_end instead.
+  void step_begin(int64_t opt, bool grads_final = true);
   /// Optimizer `opt` has stepped: the fused pass over its gradients, parameters and snapshot,
   /// then the checks (Note [Lagged checks]: on a GPU, of the previous step unless sync).
   /// `group_lr`: the learning rate of each of its param groups (Parameter::group), NaN where
