@@ -149,11 +149,7 @@ void Sanitizer::step_begin(int64_t opt, bool grads_final) {
   const host::OwnClock clock(*impl_);  // Note [Own time]
   impl_->grads.set_in_step(true);
   impl_->record_versions(opt);
-  if (grads_final) {
-    impl_->read_grads_at_begin(opt);  // Note [Gradients read at the step's beginning]
-  } else {
-    impl_->begin_rows.erase(opt);
-  }
+  impl_->read_grads_at_begin(opt, grads_final);  // Note [Gradients read at the step's beginning]
   impl_->check_updates_outside_step(opt);
   impl_->stop_before_step(opt);
   report();

@@ -139,13 +139,19 @@ struct SanitizerImpl {
   // Note [Gradients read at the step's beginning] (sanitizer_pass.cpp): per optimizer, the lean
   // rows of its gradients read at its step's begin, and which gradient (tensor and version) each
   // row is of; the step end uses a row where the gradient is still that tensor at that version.
+  struct BeginRow {
+    size_t copy = 0;  // in BeginRows::copies
+    int64_t row = 0;  // in that copy
+    at::Tensor grad;  // the gradient read, and its version then
+    int64_t version = 0;
+  };
   struct BeginRows {
-    std::vector<HostCopy> copies;                              // one per device
-    std::map<size_t, std::pair<size_t, int64_t>> row_of;       // parameter index -> (copy, row)
-    std::map<size_t, std::pair<at::Tensor, int64_t>> grad_of;  // parameter index -> (grad, version)
+    std::vector<HostCopy> copies;   // one per device
+    std::map<size_t, BeginRow> of;  // parameter index -> its gradient's row
   };
   std::map<int64_t, BeginRows> begin_rows;
-  void read_grads_at_begin(int64_t opt);
+  /// `grads_final` false: only drop what an earlier begin of `opt` left (Sanitizer::step_begin).
+  void read_grads_at_begin(int64_t opt, bool grads_final);
   std::chrono::steady_clock::time_point last_step_end{};
   double overhead_at_last_step_end = 0.0;
   Coverage coverage;                  // what was checked (Sanitizer::coverage)

@@ -276,12 +276,11 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
       const bool untouched = !manual || !g.defined() || grads.as_backward_left(p->indices[k]);
       if (g.defined() && g.layout() == at::kStrided && untouched) {
         const bool hash = p->hashed || p->replica_grads;
-        const auto at = early.row_of.find(p->indices[k]);
-        const auto was = early.grad_of.find(p->indices[k]);
-        if (!hash && at != early.row_of.end() && was != early.grad_of.end() &&
-            was->second.first.unsafeGetTensorImpl() == g.unsafeGetTensorImpl() &&
-            static_cast<int64_t>(g._version()) == was->second.second) {
-          early_rows.push_back({row, at->second});
+        const auto at = early.of.find(p->indices[k]);
+        if (!hash && at != early.of.end() &&
+            at->second.grad.unsafeGetTensorImpl() == g.unsafeGetTensorImpl() &&
+            static_cast<int64_t>(g._version()) == at->second.version) {
+          early_rows.push_back({row, {at->second.copy, at->second.row}});
           p->grad_row[k] = row++;
         } else {
           p->grad_row[k] = push(g, at::Tensor(), hash ? kn::kModeFull : kn::kModeLean);
@@ -373,9 +372,9 @@ void SanitizerImpl::record_versions(int64_t opt) {
 // fingerprinted (option fingerprints, a trace open, the replica comparison), and distributed
 // parameters (their local shards arrive at the step end). Rows not used by the step end are
 // dropped at the next begin of that optimizer, at its gradients' clearing and at close.
-void SanitizerImpl::read_grads_at_begin(int64_t opt) {
+void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   begin_rows.erase(opt);
-  if (closed || opts.fingerprints || trace.is_open() || replicas) return;
+  if (!grads_final || closed || opts.fingerprints || trace.is_open() || replicas) return;
   const auto t0 = Clock::now();
   BeginRows b;
   // As step_end picks them: this optimizer's parameters and those in none.
@@ -391,12 +390,11 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt) {
     b.copies.push_back(start_host_copy(packed));
     const std::vector<size_t>& w = by.which.at(dev);
     for (size_t r = 0; r < w.size(); ++r) {
-      b.row_of[w[r]] = {c, static_cast<int64_t>(r)};
       const at::Tensor& g = params[w[r]].param.grad();  // itself, not untracked()'s alias
-      b.grad_of[w[r]] = {g, static_cast<int64_t>(g._version())};
+      b.of[w[r]] = {c, static_cast<int64_t>(r), g, static_cast<int64_t>(g._version())};
     }
   }
-  if (!b.row_of.empty()) begin_rows[opt] = std::move(b);
+  if (!b.of.empty()) begin_rows[opt] = std::move(b);
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
 }
 

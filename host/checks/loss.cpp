@@ -176,8 +176,7 @@ void LossCheck::spike(double x, int64_t step, bool skipped) {
           {kMadToSigma * mad, kRelativeFloor * std::abs(m), kFirstLossFloor * first, 1e-12});
       spiked = excess > opts_.loss_spike_factor * band;
     }
-    const double lowest = spiked ? *std::min_element(window_.begin(), window_.end()) : 0.0;
-    if (spiked && lowest > 0.0 && x > 0.0) {
+    if (spiked && x > 0.0 && *std::min_element(window_.begin(), window_.end()) > 0.0) {
       std::vector<double> logs(window_.size());
       for (size_t k = 0; k < window_.size(); ++k) logs[k] = std::log(window_[k]);
       const double lm = median_of(logs);
