@@ -379,7 +379,7 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   if (v.dtype == "Half") v.dtype = "float16";
   if (v.dtype == "BFloat16") v.dtype = "bfloat16";
   if (v.dtype == "Float") v.dtype = "float32";
-  readback.push_or_consume(start_host_copy(tensor_stats_packed({loss.detach()})),
+  readback.push_or_consume(start_host_copy(tensor_stats_packed({loss})),
                            ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
                              v.stats = unpack_stats(host)[0];
                              // The audit's class-index facts of this step are in by now (Note

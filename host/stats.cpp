@@ -119,8 +119,10 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
   int64_t chunks = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i];
+    // The pass reads the data through its pointer: a tensor autograd tracks is read as it is, and
+    // the two copies made here are of an alias (detach()), so that nothing enters a graph.
     if (t.is_neg()) {
-      t = t.resolve_neg();
+      t = t.detach().resolve_neg();
       out.keep_alive.push_back(t);
     }
     kn::TensorDesc& d = out.descs[i];
@@ -129,7 +131,7 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     d.numel = t.numel();
     int nd = collapse(t, d.sizes, d.strides, kn::kMaxDims);
     if (nd > kn::kMaxDims) {
-      t = t.contiguous();
+      t = t.detach().contiguous();
       out.keep_alive.push_back(t);
       nd = collapse(t, d.sizes, d.strides, kn::kMaxDims);
     }

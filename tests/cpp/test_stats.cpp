@@ -313,6 +313,31 @@ TEST(TensorStats, NegativeView) {
   }
 }
 
+TEST(TensorStats, TensorsAutogradTracksAreReadAsTheirData) {
+  // The pass reads a tracked tensor (a loss, a view of a parameter) without detaching it first;
+  // the copies it makes of a negated or many-dimensional view are of an alias. Same rows as the
+  // detached tensors', and the tensors' graphs are as they were.
+  const at::Tensor leaf = random_tensor(at::kFloat, 4 * 4 * 4 * 4 * 4 * 4 * 4 * 4 * 4, 21)
+                              .reshape({4, 4, 4, 4, 4, 4, 4, 4, 4})
+                              .requires_grad_(true);
+  const at::Tensor loss = (leaf * leaf).mean();
+  const at::Tensor permuted = leaf.permute({8, 7, 6, 5, 4, 3, 2, 1, 0});
+  const at::Tensor negated = at::_neg_view(leaf.reshape({64, -1}).t());
+  ASSERT_TRUE(loss.requires_grad() && negated.is_neg() && negated.requires_grad());
+  const std::vector<at::Tensor> tracked{loss, permuted, negated};
+  std::vector<at::Tensor> detached;
+  for (const at::Tensor& t : tracked) detached.push_back(t.detach());
+  const auto a = trainsan::tensor_stats(tracked);
+  const auto b = trainsan::tensor_stats(detached);
+  for (size_t i = 0; i < tracked.size(); ++i) {
+    expect_same(a[i], b[i], reference(detached[i]).abs_sum, "tracked[" + std::to_string(i) + "]");
+  }
+  expect_matches(a[2], reference(negated.detach().resolve_neg()), "negated view");
+  loss.backward();
+  EXPECT_TRUE(at::allclose(leaf.grad(), 2 * leaf.detach() / leaf.numel(), 1e-5, 1e-8,
+                           /*equal_nan=*/true));
+}
+
 TEST(TensorStats, HashIndependentOfLayoutChangesWithContent) {
   const at::Tensor x = random_tensor(at::kFloat, 60 * 70, 9).reshape({60, 70});
   const at::Tensor col_major = x.t().contiguous().t();
