@@ -184,6 +184,48 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
   return out;
 }
 
+namespace {
+// Note [Reused host rows]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A CPU pass's results, ints [n, ni] and floats [n, nf], in buffers this thread made for an
+// earlier pass of the same shape that nobody holds any more (neither the tensors nor a view of
+// their storage): at::empty is a dispatcher call and an allocation, and inside a training step,
+// with its code and data evicted by the step's own work, each cost ~10-30 us on the bench's CPU
+// (bench/RESULTS.md, issue 23), while a step makes its passes of the same few shapes every time.
+// Every element of a reused buffer is written by the pass (pack_record writes whole rows), so
+// a reused buffer is indistinguishable from a new one; a buffer still held elsewhere (returned
+// to a caller, kept in a HostCopy not yet read) is never handed out again.
+// Passes of up to kReusedMaxRows tensors; at most kReusedRows buffers a thread (< 4 MB).
+constexpr size_t kReusedRows = 8;
+constexpr int64_t kReusedMaxRows = 4096;
+
+bool unheld(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
+
+std::pair<at::Tensor, at::Tensor> host_rows(int64_t n, int ni, int nf) {
+  thread_local std::vector<std::pair<at::Tensor, at::Tensor>> kept;
+  for (auto& [ints, floats] : kept) {
+    if (ints.size(0) == n && ints.size(1) == ni && floats.size(1) == nf && unheld(ints) &&
+        unheld(floats)) {
+      return {ints, floats};
+    }
+  }
+  std::pair<at::Tensor, at::Tensor> made{at::empty({n, ni}, at::kLong),
+                                         at::empty({n, nf}, at::kDouble)};
+  if (n > kReusedMaxRows) return made;
+  if (kept.size() < kReusedRows) {
+    kept.push_back(made);
+  } else {  // replace one nobody holds, if any
+    for (auto& k : kept) {
+      if (unheld(k.first) && unheld(k.second)) {
+        k = made;
+        break;
+      }
+    }
+  }
+  return made;
+}
+}  // namespace
+
 PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
                        const std::vector<at::Tensor>* snapshots, const std::vector<char>* modes) {
   const Described w = describe(tensors, snapshots, modes);
@@ -255,8 +297,7 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
   } else {
     at::parallel_for(0, num_tasks, 1, run_tasks);
   }
-  at::Tensor ints = at::empty({n, ni}, at::kLong);
-  at::Tensor floats = at::empty({n, nf}, at::kDouble);
+  auto [ints, floats] = host_rows(n, ni, nf);
   int64_t* ip = ints.data_ptr<int64_t>();
   double* fp = floats.data_ptr<double>();
   for (int64_t t = 0; t < n; ++t) {

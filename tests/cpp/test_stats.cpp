@@ -404,6 +404,35 @@ TEST(TensorStats, PackedRoundTrip) {
                c10::ValueError);
 }
 
+TEST(TensorStats, PackedBuffersHeldAreNeverReused) {
+  // Note [Reused host rows]: a pass may reuse the buffers of an earlier pass of the same shape
+  // only once nobody holds them (neither the tensors nor a view of their storage).
+  const at::Tensor x = random_tensor(at::kFloat, 500, 31);
+  const at::Tensor y = random_tensor(at::kFloat, 500, 32);
+  const at::Tensor x_ints = trainsan::tensor_stats_packed({x}).ints.clone();
+  const at::Tensor y_ints = trainsan::tensor_stats_packed({y}).ints.clone();
+  ASSERT_FALSE(at::equal(x_ints, y_ints));
+  trainsan::PackedStats held = trainsan::tensor_stats_packed({x});
+  const trainsan::PackedStats other = trainsan::tensor_stats_packed({y});
+  EXPECT_TRUE(at::equal(held.ints, x_ints));  // the second pass did not write the first's rows
+  EXPECT_TRUE(at::equal(other.ints, y_ints));
+  EXPECT_NE(held.ints.data_ptr(), other.ints.data_ptr());
+  const at::Tensor alias = held.ints.detach();  // shares the storage, not the tensor
+  held = trainsan::PackedStats{};
+  std::vector<trainsan::PackedStats> kept;  // each held: every pass needs a buffer of its own
+  for (int i = 0; i < 12; ++i) {
+    kept.push_back(trainsan::tensor_stats_packed({y}));
+    EXPECT_TRUE(at::equal(kept.back().ints, y_ints)) << "pass " << i;
+  }
+  EXPECT_TRUE(at::equal(alias, x_ints));
+  // Rows nobody holds any more: the same results as new buffers would give, pass after pass.
+  for (int i = 0; i < 12; ++i) {
+    EXPECT_TRUE(at::equal(trainsan::tensor_stats_packed({i % 2 == 0 ? x : y}).ints,
+                          i % 2 == 0 ? x_ints : y_ints))
+        << "pass " << i;
+  }
+}
+
 TEST(TensorStats, ToString) {
   const std::string s = one(at::tensor({kNaN, 1.0})).to_string();
   EXPECT_NE(s.find("nan=1"), std::string::npos) << s;
