@@ -199,7 +199,12 @@ namespace {
 constexpr size_t kReusedRows = 8;
 constexpr int64_t kReusedMaxRows = 4096;
 
-bool unheld(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
+// Nobody holds `t` or its storage, and it is still the dense buffer it was made as (a caller that
+// held it could have changed its metadata in place before dropping it).
+bool unheld(const at::Tensor& t) {
+  return t.use_count() == 1 && t.storage().use_count() == 1 && t.storage_offset() == 0 &&
+         t.is_contiguous();
+}
 
 std::pair<at::Tensor, at::Tensor> host_rows(int64_t n, int ni, int nf) {
   thread_local std::vector<std::pair<at::Tensor, at::Tensor>> kept;

@@ -425,6 +425,19 @@ TEST(TensorStats, PackedBuffersHeldAreNeverReused) {
     EXPECT_TRUE(at::equal(kept.back().ints, y_ints)) << "pass " << i;
   }
   EXPECT_TRUE(at::equal(alias, x_ints));
+  // A buffer handed out, reshaped in place by its holder and dropped is not written as rows.
+  kept.clear();
+  {
+    trainsan::PackedStats odd = trainsan::tensor_stats_packed({x});
+    odd.ints.as_strided_(odd.ints.sizes(), {odd.ints.size(1), 0});  // same shape, not dense
+  }
+  std::vector<trainsan::PackedStats> dense;  // each held: every pass takes another buffer
+  for (int i = 0; i < 12; ++i) {
+    dense.push_back(trainsan::tensor_stats_packed({x}));
+    EXPECT_TRUE(dense.back().ints.is_contiguous() && at::equal(dense.back().ints, x_ints))
+        << "pass " << i;
+  }
+  dense.clear();
   // Rows nobody holds any more: the same results as new buffers would give, pass after pass.
   for (int i = 0; i < 12; ++i) {
     EXPECT_TRUE(at::equal(trainsan::tensor_stats_packed({i % 2 == 0 ? x : y}).ints,
