@@ -293,7 +293,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     for (const auto& t : facts.inputs) {
       if (t.defined() && t.layout() == at::kStrided && !t.is_meta() &&
           (t.device().is_cpu() || t.device().is_cuda()) && t.device() == dev) {
-        ok.push_back(untracked(t));
+        ok.push_back(t);
       }
     }
     if (!ok.empty()) {
@@ -489,7 +489,7 @@ void SanitizerImpl::gradients_cleared(int64_t opt) {
         params[i].local.defined() || (!ts.empty() && g.device() != ts[0].device())) {
       continue;
     }
-    ts.push_back(untracked(g));
+    ts.push_back(g);
     names.push_back(params[i].name);
   }
   if (!ts.empty()) {

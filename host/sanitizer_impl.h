@@ -37,12 +37,6 @@ namespace trainsan::host {
 // optimizer) counts boundaries under the key -1; the C++ end_step() is optimizer 0. Lagged checks
 // (Note [Lagged checks]) keep the step of the pass they read, not the step at which they run.
 
-// A tensor for a read-only pass (the statistics read the data through its pointer): the tensor
-// itself where autograd does not track it, an alias (detach()) where it does, so that nothing a
-// pass does can enter a graph. The every-step pass lists every gradient: a detach() each is a
-// dispatcher call and a TensorImpl allocation per tensor that a gradient never needs.
-inline at::Tensor untracked(const at::Tensor& t) { return t.requires_grad() ? t.detach() : t; }
-
 struct SanitizerImpl {
   SanitizerImpl(std::vector<Parameter> parameters, Options options, Setup setup);
 

@@ -123,7 +123,7 @@ GradsByDevice grads_by_device(const std::vector<TrackedParam>& params, int64_t o
         g.unsafeGetTensorImpl()->is_python_dispatch()) {
       continue;
     }
-    out.grads[key_of(g)].push_back(untracked(g));
+    out.grads[key_of(g)].push_back(g);
     out.which[key_of(g)].push_back(i);
   }
   return out;
@@ -248,7 +248,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     int64_t row = 0;
     auto push = [&](const at::Tensor& t, const at::Tensor& snap, kn::PassMode mode) {
       const DevKey d = key_of(t);
-      tensors[d].push_back(untracked(t));
+      tensors[d].push_back(t);
       modes[d].push_back(static_cast<char>(mode));
       snaps[d].push_back(snap);
       global_rows[d].push_back(row);
@@ -390,7 +390,7 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
     b.copies.push_back(start_host_copy(packed));
     const std::vector<size_t>& w = by.which.at(dev);
     for (size_t r = 0; r < w.size(); ++r) {
-      const at::Tensor& g = params[w[r]].param.grad();  // itself, not untracked()'s alias
+      const at::Tensor& g = params[w[r]].param.grad();
       b.of[w[r]] = {c, static_cast<int64_t>(r), g, static_cast<int64_t>(g._version())};
     }
   }

@@ -120,7 +120,8 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i];
     // The pass reads the data through its pointer: a tensor autograd tracks is read as it is, and
-    // the two copies made here are of an alias (detach()), so that nothing enters a graph.
+    // the two copies made here are of an alias (detach()), so that nothing enters a graph. Every
+    // pass describes its tensors here, so its callers hand them over as they are (no detach()).
     if (t.is_neg()) {
       t = t.detach().resolve_neg();
       out.keep_alive.push_back(t);
