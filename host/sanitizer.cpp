@@ -382,6 +382,12 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   readback.push_or_consume(start_host_copy(tensor_stats_packed({loss})),
                            ReadbackQueue::Phase::kLoss, [this, v](const PackedStats& host) mutable {
                              v.stats = unpack_stats(host)[0];
+                             // The trace's loss (Note [Bounded trace]): the step's latest.
+                             if (v.stats.numel > 0) {
+                               last_loss = v.stats.nonfinite() > 0
+                                               ? std::nan("")
+                                               : v.stats.sum / static_cast<double>(v.stats.numel);
+                             }
                              // The audit's class-index facts of this step are in by now (Note
                              // [Lagged checks]: label flags drain before the losses).
                              const ClassTargetFacts t = audit->class_targets(v.step);
@@ -404,6 +410,37 @@ void SanitizerImpl::check_updates_outside_step(int64_t opt) {
   // Opt-in: one comparison per parameter against the snapshot of the previous step's end, and
   // one read of the flags (a device sync on GPU) — hence off by default.
   const auto t0 = Clock::now();
+  if (!opts.exact_updates) {
+    // Note [Update statistics without a snapshot]: each parameter's fingerprint now against the
+    // one of its sample (the previous step's end; on a GPU still on its way: waited for here,
+    // where the comparison waits for its own result anyway).
+    readback.drain_all();
+    std::map<std::pair<int, int>, std::vector<size_t>> by_device;
+    for (size_t i = 0; i < params.size() && i < snapshot_hash.size(); ++i) {
+      if ((opt >= 0 && params[i].opt != opt) || !snapshot_hash[i] || !snapshots[i].defined()) {
+        continue;
+      }
+      const at::Tensor& prm = params[i].data();
+      by_device[{static_cast<int>(prm.device().type()), prm.device().index()}].push_back(i);
+    }
+    std::vector<std::string> names;
+    for (const auto& [dev, idx] : by_device) {
+      std::vector<at::Tensor> ts;
+      for (const size_t i : idx) ts.push_back(params[i].data());
+      std::vector<TensorStats> st;
+      try {
+        st = unpack_stats(fingerprint_stats_packed(ts));
+      } catch (const c10::Error&) {
+        continue;  // a parameter the pass cannot read: the step pass says what is wrong with it
+      }
+      for (size_t k = 0; k < idx.size(); ++k) {
+        if (st[k].hash != *snapshot_hash[idx[k]]) names.push_back(params[idx[k]].name);
+      }
+    }
+    checks.integrity.on_step_begin(names, step);
+    add_overhead(seconds_since(t0));
+    return;
+  }
   std::vector<size_t> idx;
   std::vector<at::Tensor> flags;
   {
@@ -548,6 +585,9 @@ Coverage SanitizerImpl::coverage_now() const {
   c.window_backwards = w.common;
   c.window_steps = w.at_common;
   c.window_samples = w.samples;
+  c.trace_rows_steps = trace.rows_records();
+  c.trace_bytes = trace.bytes();
+  c.trace_error = trace.error();
   const bool attached = setup.binding != nullptr;
   const std::string no_forward =
       attached ? "no training forward was seen: no op read a parameter of the model together with "

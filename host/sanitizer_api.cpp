@@ -44,6 +44,9 @@ Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
 
 void Sanitizer::report() {
   impl_->add_outside(impl_->audit->take_overhead());
+  // Note [Bounded trace]: a trace that could not be written is told once, on this (the event's)
+  // thread, and never raised into the loop.
+  if (impl_->trace.take_new_error()) TORCH_WARN(impl_->trace.error());
   for (Finding f : impl_->store.take_fresh()) {
     // Re-run attribution of a LibTorch loop (Setup::rerun_step): before the policy acts.
     if (impl_->rerun_step && !impl_->closed) {
@@ -331,14 +334,29 @@ void Sanitizer::resume(const ResumeFacts& facts) {
 
 bool Sanitizer::headroom_due() const {
   const int64_t every = impl_->opts.headroom_every;
-  return !impl_->closed && impl_->trace.is_open() && every > 0 && impl_->step % every == 0;
+  if (impl_->closed || !impl_->trace.is_open() || every <= 0 || impl_->step % every != 0) {
+    return false;
+  }
+  // Note [Bounded trace]: the range records share the periodic records' byte budget, decided
+  // once a step (the records of one step are gathered at several events).
+  if (impl_->headroom_step != impl_->step) {
+    impl_->headroom_step = impl_->step;
+    impl_->headroom_ok = impl_->step < impl_->opts.trace_first_steps || impl_->trace.bulk_ok();
+  }
+  return impl_->headroom_ok;
 }
 
 void Sanitizer::trace_record(const std::string& json_object) {
   TORCH_CHECK_VALUE(!json_object.empty() && json_object.front() == '{' &&
                         json_object.back() == '}' && json_object.find('\n') == std::string::npos,
                     "trace_record: expected one JSON object on one line");
-  if (!impl_->closed) impl_->trace.line(json_object);
+  if (impl_->closed) return;
+  if (json_object.rfind("{\"type\":\"range\"", 0) == 0 ||
+      json_object.rfind("{\"type\": \"range\"", 0) == 0) {
+    impl_->trace.bulk_line(json_object);  // Note [Bounded trace]
+  } else {
+    impl_->trace.line(json_object);
+  }
 }
 
 bool Sanitizer::gradcheck_step() const { return custom_grad_due(false); }
@@ -375,6 +393,10 @@ bool Sanitizer::auditing() const { return impl_->audit->auditing(); }
 void Sanitizer::pause_audit(bool paused) { host::OpAudit::pause_this_thread(paused); }
 
 Coverage Sanitizer::coverage() const { return impl_->coverage_now(); }
+
+std::string Sanitizer::take_trace_error() {
+  return impl_->trace.take_new_error() ? impl_->trace.error() : std::string();
+}
 
 ModelBinding* Sanitizer::binding() const { return impl_->setup.binding.get(); }
 

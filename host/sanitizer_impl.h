@@ -148,8 +148,16 @@ struct SanitizerImpl {
   void read_grads_at_begin(int64_t opt, bool grads_final);
   std::chrono::steady_clock::time_point last_step_end{};
   double overhead_at_last_step_end = 0.0;
-  Coverage coverage;                  // what was checked (Sanitizer::coverage)
-  std::vector<at::Tensor> snapshots;  // previous parameter values (track_updates)
+  Coverage coverage;  // what was checked (Sanitizer::coverage)
+  // Previous parameter values (track_updates): each a full copy with exact_updates, else its
+  // sample (Note [Update sample]); and the fingerprint of the parameter when its snapshot was
+  // written (Note [Update statistics without a snapshot]; nullopt where not known).
+  std::vector<at::Tensor> snapshots;
+  std::vector<std::optional<uint64_t>> snapshot_hash;
+  /// A parameter's update statistics read from its sample: scaled to the whole tensor, and exact
+  /// where the fingerprints say the step changed nothing; `now` is its row of this pass (the
+  /// fingerprint is then that of its new snapshot).
+  void sampled_update(size_t i, const TensorStats& now, std::optional<UpdateStats>& update);
   // ||theta|| of each parameter as of its previous pass (at attach before the first): the
   // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
   std::vector<double> prev_param_l2;
@@ -157,7 +165,11 @@ struct SanitizerImpl {
   // parameter pass show these, marked not measured).
   std::vector<TensorStats> param_stats;
   std::map<std::string, TensorStats> last;  // last_stats()
-  bool fp16_in_use = false;                 // some forward ran under fp16 autocast
+  std::optional<double> last_loss;          // the latest loss read back, for the next step record
+  // Sanitizer::headroom_due's verdict for step headroom_step (Note [Bounded trace]).
+  int64_t headroom_step = -1;
+  bool headroom_ok = false;
+  bool fp16_in_use = false;  // some forward ran under fp16 autocast
   // Note [Mode rules]: of the last grad-enabled forward, the model's own eval flag and the
   // Setup::mode_modules positions in eval mode; forwards so far (outside optimizer steps) with
   // grad enabled and under no_grad in train mode, and their totals at each optimizer's last step.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "nvtx.h"
@@ -32,6 +33,7 @@ struct SanitizerImpl::Pass {
   bool report_update =
       false;                // update statistics against a fresh snapshot (Note [Overhead budget])
   bool with_params = true;  // the parameters were read (Note [Every-step tier])
+  bool with_snapshot = false;      // the pass rewrote the snapshots (samples) of its parameters
   std::vector<size_t> indices;     // parameters in the pass
   std::vector<Consumed> consumed;  // per entry of indices
   std::vector<int64_t> grad_row;   // per entry: row of its gradient, -1 when none
@@ -79,6 +81,33 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
     out[g] = per_copy[c][static_cast<size_t>(r)];
   }
   return out;
+}
+
+// Note [Bounded trace] (trace.h): the step record's digest of the gradients' statistics, FNV-1a
+// over the bits of each gradient's norm, sum and non-finite counts in parameter order (a
+// parameter without a gradient contributes a marker).
+uint64_t grads_digest(const StepView& v) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&h](uint64_t word) {
+    for (int b = 0; b < 8; ++b) {
+      h = (h ^ ((word >> (8 * b)) & 0xffu)) * 0x100000001b3ull;
+    }
+  };
+  for (const ParamView& p : v.params) {
+    if (!p.grad) {
+      mix(0x9e3779b97f4a7c15ull);
+      continue;
+    }
+    uint64_t l2 = 0, sum = 0;
+    std::memcpy(&l2, &p.grad->l2, sizeof(l2));
+    std::memcpy(&sum, &p.grad->sum, sizeof(sum));
+    mix(l2);
+    mix(sum);
+    mix(static_cast<uint64_t>(p.grad->nan));
+    mix(static_cast<uint64_t>(p.grad->posinf));
+    mix(static_cast<uint64_t>(p.grad->neginf));
+  }
+  return h;
 }
 
 // Machine epsilon of a floating dtype (ParamView::eps); 0 for the others.
@@ -137,11 +166,12 @@ void SanitizerImpl::initial_param_norms() {
   for (size_t i = 0; i < params.size(); ++i) param_stats[i].numel = params[i].data().numel();
   if (!opts.track_updates) return;
   snapshots.resize(params.size());
+  snapshot_hash.assign(params.size(), std::nullopt);
   const at::NoGradGuard no_grad;
   std::map<DevKey, std::vector<size_t>> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].param.requires_grad()) {
-      snapshots[i] = params[i].data().detach().clone(at::MemoryFormat::Contiguous);
+      snapshots[i] = make_update_snapshot(params[i].data(), opts.exact_updates);
     }
     groups[key_of(params[i].data())].push_back(i);
   }
@@ -154,6 +184,7 @@ void SanitizerImpl::initial_param_norms() {
       for (size_t j = 0; j < idx.size(); ++j) {
         if (st[j].nonfinite() == 0) prev_param_l2[idx[j]] = st[j].l2;
         param_stats[idx[j]] = st[j];
+        if (snapshots[idx[j]].defined()) snapshot_hash[idx[j]] = st[j].hash;
       }
     } catch (const c10::Error&) {
       // unsupported dtype: the first ratio of these parameters stays unknown
@@ -220,7 +251,8 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     // pass reads them: computed on traced steps (for `trainsan diff`), every step with
     // `fingerprints`, and for the replica comparison on its steps (weights, sampled gradients).
     // Note [Every-step tier]: elsewhere the gradients get the lean rows of Note [Lean rows].
-    p->hashed = opts.fingerprints || trace.traces(p->step);
+    // Note [Bounded trace]: the steps whose records hold per-tensor rows for a reason known now.
+    p->hashed = opts.fingerprints || (trace.traces(p->step) && trace.rows_due(p->step));
     p->replica = replicas && checks.replicas.fingerprint_due(p->step);
     p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
@@ -238,6 +270,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
         budget.update_due(p->step) || (forced != forced_update.end() && forced->second == p->step);
     const bool due_next = trigger || budget.update_due(p->step + 1);
     with_snapshot = opts.track_updates && (due || due_next);
+    p->with_snapshot = with_snapshot;
     // Note [Every-step tier]: the parameters are read with the update statistics (the step that
     // writes the snapshot and the step that reads it), on traced and replica steps.
     p->with_params = due || due_next || p->hashed || p->replica;
@@ -291,12 +324,18 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
       const size_t i = p->indices[k];
       const at::Tensor& prm = params[i].data();
       at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
-      if (snap.defined() && (snap.device() != prm.device() || snap.numel() != prm.numel() ||
+      const int64_t kept = opts.exact_updates
+                               ? prm.numel()
+                               : kn::num_samples_of(prm.numel(), update_sample_stride(prm.numel()));
+      if (snap.defined() && (snap.device() != prm.device() || snap.numel() != kept ||
                              snap.scalar_type() != prm.scalar_type())) {
         snap = at::Tensor();  // the parameter was replaced; start a new snapshot
-        snapshots[i] = prm.detach().clone(at::MemoryFormat::Contiguous);
+        snapshots[i] = make_update_snapshot(prm, opts.exact_updates);
       }
-      p->param_row[k] = push(prm, snap, p->hashed || p->replica ? kn::kModeFull : kn::kModeNoHash);
+      // Note [Update statistics without a snapshot]: the fingerprints say exactly whether a
+      // tensor changed, so the passes that write or read a sample compute them.
+      const bool fingerprint = p->hashed || p->replica || (with_snapshot && !opts.exact_updates);
+      p->param_row[k] = push(prm, snap, fingerprint ? kn::kModeFull : kn::kModeNoHash);
     }
     p->row_map.assign(static_cast<size_t>(row), {0, 0});
     if (!early_rows.empty()) {
@@ -374,7 +413,12 @@ void SanitizerImpl::record_versions(int64_t opt) {
 // dropped at the next begin of that optimizer, at its gradients' clearing and at close.
 void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   begin_rows.erase(opt);
-  if (!grads_final || closed || opts.fingerprints || trace.is_open() || replicas) return;
+  if (!grads_final || closed || opts.fingerprints || replicas) return;
+  if (trace.is_open()) {  // the steps fingerprinted for the trace's rows (Note [Bounded trace])
+    const auto it = opt_steps.find(opt);
+    const int64_t upcoming = it == opt_steps.end() ? 0 : it->second;
+    if (trace.traces(upcoming) && trace.rows_due(upcoming)) return;
+  }
   const auto t0 = Clock::now();
   BeginRows b;
   // As step_end picks them: this optimizer's parameters and those in none.
@@ -452,6 +496,75 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
+// Note [Update statistics without a snapshot]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The update statistics (||dtheta||, max |dtheta|, the elements a step changed) used to compare
+// every parameter with a full copy of its previous values: +100% of the weights' memory, +25% of
+// a mixed-precision Adam job's. Unless exact_updates asks for that copy, they are taken from
+// bounded state instead (at most kUpdateSampleCap = 4096 elements a tensor, 16 KiB in float32,
+// whatever the model's size; none of it allocated per step):
+//   - whether a tensor changed at all, exactly: its fingerprint (the pass's hash, Note [Hash]:
+//     any changed bit changes it, a collision is a 2^-64 event) at the pass that wrote its sample
+//     against the fingerprint now. The passes that write or read a sample compute the
+//     fingerprints of the parameters (on CUDA free, on CPU about the pass's arithmetic again;
+//     the overhead budget measures and samples these passes like any other);
+//   - how much, from the sample of Note [Update sample] (kernels/stats.h): a tensor of n <= 4096
+//     elements is kept whole (its figures are exact); a larger one keeps m = ceil(n / s) elements
+//     with s = ceil(n / 4096), one per stratum of s consecutive elements at a hashed offset.
+//     changed = (changed in the sample) * n / m and ||dtheta|| = (its norm in the sample) *
+//     sqrt(n / m); max |dtheta| is the sample's largest (a lower bound). Stratified with one
+//     element a stratum, the estimates are unbiased but for the last, shorter stratum (weight
+//     < 1/m), and their relative standard error is at most sqrt((1 - f) / (f m)) for a changed
+//     fraction f (0.8% at f = 1/2, m = 4096) and about CV(dtheta^2) / (2 sqrt(m)) for the norm
+//     (1.1% for Gaussian updates, less where neighbouring updates are alike: stratification
+//     removes the variance between strata).
+// What each rule reads, and why none loses a bug the copy found:
+//   - skipped_step "changed no parameter" and "left <tensor> unchanged" read changed == 0,
+//     which the fingerprints keep exact (a tensor whose fingerprint moved while none of its
+//     sampled elements did has changed >= 1, marked `unseen`: a sparse update, e.g. embedding
+//     rows, is never "unchanged"). The largest move of a step, which bounds the predicted move of
+//     an unchanged tensor, is the sample's: at most the exact one, so the rule can only become
+//     more cautious (it needs the predicted move above 4 ulp of the weights, which real learning
+//     rates exceed by orders of magnitude);
+//   - update_ratio reads ||dtheta|| / ||theta||, judged against a band of orders of magnitude
+//     ([1e-8, 1]) for update_ratio_steps steps in a row: a 1-2% error cannot move a verdict
+//     except at the band's edge. Where some tensor's change was unseen by its sample the ratio is
+//     a lower bound, and the low end of the band is not judged on that step;
+//   - update_underflow reads the fraction of elements with a nonzero gradient that the step left
+//     unchanged, against update_underflow_fraction (0.5), for update_underflow_steps (3) measured
+//     steps in a row: an error of ~1% on the fraction (the rule's cases — bf16 weights under a
+//     small learning rate — leave 90-100% unchanged);
+//   - update_outside_step compares each parameter's fingerprint at the step's begin with the one
+//     at the previous step's end (check_updates_outside_step): exact, as the copy was;
+//   - the trace's per-tensor update rows carry the estimates (docs/trace.md says which fields).
+// exact_updates keeps the full copy (exact per-element figures, the parameters' size in memory).
+void SanitizerImpl::sampled_update(size_t i, const TensorStats& now,
+                                   std::optional<UpdateStats>& update) {
+  if (i >= snapshot_hash.size()) return;
+  std::optional<uint64_t>& before = snapshot_hash[i];
+  if (update) {
+    const int64_t n = now.numel;
+    const int64_t stride = update_sample_stride(n);
+    if (stride > 1) {
+      const double scale =
+          static_cast<double>(n) / static_cast<double>(kn::num_samples_of(n, stride));
+      update->sampled = true;
+      update->changed =
+          std::min<int64_t>(n, std::llround(static_cast<double>(update->changed) * scale));
+      update->l2 *= std::sqrt(scale);
+    }
+    if (before && *before == now.hash) {
+      const bool sampled = update->sampled;
+      *update = UpdateStats{};
+      update->sampled = sampled;
+    } else if (before && update->changed == 0) {
+      update->changed = 1;
+      update->unseen = true;
+    }
+  }
+  before = now.hash;
+}
+
 void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {
   TRAINSAN_NVTX_RANGE("trainsan/checks");
   const auto t0 = Clock::now();
@@ -487,6 +600,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
       const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
       pv.param = pr.stats;
       pv.update = pr.update;
+      if (p.with_snapshot && !opts.exact_updates) sampled_update(i, pr.stats, pv.update);
       param_stats[i] = pr.stats;
       prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
     } else {  // Note [Every-step tier]: the latest measurement, not this step's
@@ -535,6 +649,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   last.clear();
   StepRecord rec;
   const bool traced = trace.traces(p.step);
+  const bool with_rows = traced && trace.wants_tensors(p.step);
   for (const ParamView& pv : v.params) {
     last[pv.name] = pv.param;
     double key = pv.param.l2;
@@ -550,7 +665,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
       u.zero = pv.param.numel - pv.update->changed;
       last[pv.name + ".update"] = u;
     }
-    if (traced) rec.tensors.push_back({pv.name, pv.param, pv.grad, pv.update, key});
+    if (with_rows) rec.tensors.push_back({pv.name, pv.param, pv.grad, pv.update, key});
   }
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
   if (traced) {
@@ -568,7 +683,10 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     if (const auto it = target_hashes.find(p.step); it != target_hashes.end()) {
       rec.targets = it->second;
     }
-    trace.step(rec);
+    rec.loss = last_loss;
+    last_loss.reset();
+    rec.digest = grads_digest(v);
+    trace.step(std::move(rec));
     step_overhead_s = 0.0;
   }
 }

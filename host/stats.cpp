@@ -172,9 +172,12 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     d.data = d.numel > 0 ? t.const_data_ptr() : nullptr;
     d.snapshot = nullptr;
+    d.sample_stride = 1;
     if (snapshots != nullptr && (*snapshots)[i].defined() && d.numel > 0) {
       const at::Tensor& snap = (*snapshots)[i];
-      TORCH_INTERNAL_ASSERT(snap.is_contiguous() && snap.numel() == d.numel &&
+      if (snap.numel() != d.numel) d.sample_stride = update_sample_stride(d.numel);
+      TORCH_INTERNAL_ASSERT(snap.is_contiguous() &&
+                            snap.numel() == kn::num_samples_of(d.numel, d.sample_stride) &&
                             snap.scalar_type() == t.scalar_type() && snap.device() == t.device());
       d.snapshot = snap.mutable_data_ptr();
     }
@@ -183,6 +186,19 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
   }
   out.chunk_begin[tensors.size()] = chunks;
   return out;
+}
+
+at::Tensor make_update_snapshot(const at::Tensor& t, bool exact) {
+  const int64_t n = t.numel();
+  const int64_t stride = exact ? 1 : update_sample_stride(n);
+  if (stride <= 1) return t.detach().clone(at::MemoryFormat::Contiguous);
+  // The sampled elements in logical row-major order, as the pass indexes them (Note [Update
+  // sample]); reshape copies only a tensor that has no flat view.
+  const int64_t m = kn::num_samples_of(n, stride);
+  at::Tensor index = at::empty({m}, at::kLong);
+  int64_t* ip = index.mutable_data_ptr<int64_t>();
+  for (int64_t j = 0; j < m; ++j) ip[j] = kn::sample_index(j, stride, n);
+  return t.detach().reshape({-1}).index_select(0, index.to(t.device())).contiguous();
 }
 
 namespace {

@@ -19,8 +19,21 @@ struct Described {
 
 // Checks every element (TypeError/ValueError naming it) and that all share one device.
 void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn);
+// Note [Update sample] (kernels/stats.h): the most elements the sample of one tensor holds; a
+// tensor of n elements keeps every element when n <= kUpdateSampleCap, else one element in each
+// stratum of update_sample_stride(n) elements (at most kUpdateSampleCap of them).
+constexpr int64_t kUpdateSampleCap = 4096;
+inline int64_t update_sample_stride(int64_t numel) {
+  return numel <= kUpdateSampleCap ? 1 : (numel + kUpdateSampleCap - 1) / kUpdateSampleCap;
+}
+// The previous values the update statistics of `t` compare against: a contiguous copy of all of
+// it (`exact`), or its sample (Note [Update sample]; the whole of it for a small tensor), on its
+// device, in its dtype.
+at::Tensor make_update_snapshot(const at::Tensor& t, bool exact);
+
 // `snapshots` (optional, one per tensor, undefined where none): contiguous tensors of the same
-// dtype and numel that receive the update statistics pass (Note [Update]) and are overwritten.
+// dtype, with numel elements or update_sample_stride's sample of them (Note [Update sample]),
+// that receive the update statistics pass (Note [Update]) and are overwritten.
 // `modes` (optional, one kernels::PassMode per tensor, kModeFull where absent): what the pass
 // computes for that tensor (Note [Lean rows]).
 Described describe(const std::vector<at::Tensor>& tensors,

@@ -4,13 +4,17 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <sstream>
 
@@ -65,6 +69,14 @@ namespace {
 
 std::string opt_number(const std::optional<double>& v) { return v ? json_number(*v) : "null"; }
 
+// A measured time: four significant digits are all it has.
+std::string short_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4g", v);
+  return buf;
+}
+
 // The header fields the Python package writes (its header_extra), for a C++ program: versions,
 // command line, working directory, seed and determinism settings.
 std::string cpp_header_fields() {
@@ -102,9 +114,20 @@ std::string stats_json(const TensorStats& st) {
 TraceWriter::TraceWriter(const Options& opts, const std::string& extra, size_t num_params)
     : opts_(opts) {
   if (opts.trace.empty()) return;
-  out_.open(opts.trace, std::ios::out | std::ios::trunc);
-  TORCH_CHECK_VALUE(out_.is_open(), "trainsan: cannot open the trace file '", opts.trace,
-                    "' for writing; check that its directory exists and is writable");
+  fd_ = ::open(opts.trace.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    const int err = errno;
+    const std::string why = "trainsan: cannot open the trace file '" + opts.trace +
+                            "' for writing (" + std::strerror(err) +
+                            "); check that its directory exists and is writable, or give another "
+                            "path (trace=...)";
+    // Note [Bounded trace]: an error at attach under "raise"; otherwise the run goes on without a
+    // trace, and is told (a warning now, a line in summary() and coverage()).
+    TORCH_CHECK_VALUE(opts.policy != "raise", why);
+    error_ = why + "; the run goes on without a trace";
+    error_new_ = true;  // told by whoever takes it first (the Python attach, or the next event)
+    return;
+  }
   std::ostringstream os;
   os << "{\"type\":\"header\",\"trainsan\":\"" TRAINSAN_VERSION "\",\"cuda_kernels\":"
      << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
@@ -113,13 +136,109 @@ TraceWriter::TraceWriter(const Options& opts, const std::string& extra, size_t n
   // No "torch" field from the caller (the Python package writes its own): a C++ program.
   if (extra.find("\"torch\":") == std::string::npos) os << "," << cpp_header_fields();
   os << "}";
-  line(os.str());
+  header_ = os.str();
+  line(header_);
+}
+
+TraceWriter::~TraceWriter() { close(); }
+
+void TraceWriter::fail(const std::string& what, int err) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!error_.empty()) return;
+  error_ = "trainsan: the trace '" + opts_.trace + "' could not be " + what +
+           (last_step_ >= 0 ? " after the record of step " + std::to_string(last_step_)
+                            : std::string(" at its header")) +
+           " (" + std::strerror(err) +
+           "): the trace ends there and the run goes on without it; free space on its disk or "
+           "give another path (trace=...)";
+  error_new_ = true;
+}
+
+bool TraceWriter::take_new_error() {
+  const bool n = error_new_;
+  error_new_ = false;
+  return n;
+}
+
+void TraceWriter::write_raw(const std::string& text) {
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0 && fd_ >= 0) {
+    const ssize_t n = ::write(fd_, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      fail("written", n < 0 ? errno : EIO);
+      return;
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  bytes_ += static_cast<int64_t>(text.size());
+  bytes_total_ += static_cast<int64_t>(text.size());
+}
+
+void TraceWriter::rotate() {
+  ::close(fd_);
+  fd_ = -1;
+  const std::string older = opts_.trace + ".1";
+  if (std::rename(opts_.trace.c_str(), older.c_str()) != 0) {
+    fail("rotated to " + older, errno);
+    return;
+  }
+  fd_ = ::open(opts_.trace.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    fail("reopened after its rotation", errno);
+    return;
+  }
+  bytes_ = 0;
+  rotations_ += 1;
+  write_raw(header_.substr(0, header_.size() - 1) + ",\"rotated\":" + std::to_string(rotations_) +
+            "}\n");
 }
 
 void TraceWriter::line(const std::string& json) {
-  if (!out_.is_open()) return;
-  out_ << json << '\n';
-  out_.flush();
+  if (fd_ < 0) return;
+  const auto cap = static_cast<int64_t>(opts_.trace_max_mb * 1048576.0);
+  if (cap > 0 && bytes_ > 0 && bytes_ + static_cast<int64_t>(json.size()) + 1 > cap &&
+      !header_.empty() && bytes_ > static_cast<int64_t>(header_.size()) + 1) {
+    rotate();
+    if (fd_ < 0) return;
+  }
+  // One write(2) a line: a killed job keeps every line written before it.
+  std::string text;
+  text.reserve(json.size() + 1);
+  text += json;
+  text += '\n';
+  write_raw(text);
+}
+
+bool TraceWriter::rows_due(int64_t step) const {
+  if (!is_open() || opts_.trace_tensors == "global") return false;
+  const int64_t every = opts_.trace_rows_every;
+  return every == 1 || step < opts_.trace_first_steps ||
+         (every > 0 && step % every == 0 && bulk_ok());
+}
+
+void TraceWriter::bulk_line(const std::string& json) {
+  line(json);
+  add_bulk(static_cast<int64_t>(json.size()) + 1);
+}
+
+void TraceWriter::add_bulk(int64_t bytes) {
+  if (steps_written_ < opts_.trace_first_steps) return;  // the first steps: outside the budget
+  if (burst_at_ != steps_written_) {
+    burst_at_ = steps_written_;
+    burst_bytes_ = 0;
+  }
+  burst_bytes_ += bytes;
+  next_bulk_at_ = std::max(next_bulk_at_,
+                           burst_at_ + (burst_bytes_ + kBulkBytesPerStep - 1) / kBulkBytesPerStep);
+}
+
+bool TraceWriter::wants_tensors(int64_t step) const {
+  return traces(step) && opts_.trace_tensors != "global" &&
+         (rows_due(step) || rows_after_ > 0 || opts_.trace_ring > 0);
 }
 
 void TraceWriter::finding(const Finding& f) {
@@ -129,6 +248,20 @@ void TraceWriter::finding(const Finding& f) {
      << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
      << ",\"message\":" << json_escape(f.message) << ",\"value\":" << opt_number(f.value) << "}";
   line(os.str());
+  if (!is_open() || opts_.trace_tensors == "global") return;
+  // Note [Bounded trace]: the rows of the steps before it, oldest first, and rows in the next
+  // trace_ring step records (and in the finding's own, when its record is still to come).
+  const size_t n = ring_.size();
+  for (size_t k = 0; k < n; ++k) {
+    Held& h = ring_[(ring_next_ + k) % n];
+    if (h.tensors.empty()) continue;
+    std::ostringstream t;
+    t << "{\"type\":\"tensors\",\"step\":" << h.step << ",\"optimizer\":" << h.opt
+      << ",\"rows\":\"before_finding\",\"tensors\":" << tensors_json(h.tensors) << "}";
+    line(t.str());
+    h.tensors.clear();
+  }
+  rows_after_ = opts_.trace_ring + 1;
 }
 
 void TraceWriter::amp_skip(int64_t step, int64_t opt) {
@@ -145,48 +278,81 @@ void TraceWriter::scaler(int64_t step, int64_t opt, double scale, bool skipped) 
   line(os.str());
 }
 
-void TraceWriter::step(const StepRecord& r) {
-  if (!out_.is_open()) return;
+std::string TraceWriter::tensors_json(const std::vector<TensorRecord>& tensors) const {
+  std::vector<const TensorRecord*> order;
+  order.reserve(tensors.size());
+  for (const TensorRecord& tr : tensors) order.push_back(&tr);
+  if (opts_.trace_tensors == "topk") {
+    std::stable_sort(order.begin(), order.end(), [](const TensorRecord* a, const TensorRecord* b) {
+      return a->sort_key > b->sort_key;
+    });
+    if (order.size() > static_cast<size_t>(opts_.trace_topk)) order.resize(opts_.trace_topk);
+  }
+  std::ostringstream os;
+  os << "{";
+  const char* sep = "";
+  for (const TensorRecord* tr : order) {
+    os << sep << json_escape(tr->name) << ":{\"param\":" << stats_json(tr->param);
+    if (tr->grad) os << ",\"grad\":" << stats_json(*tr->grad);
+    if (tr->update) {
+      os << ",\"update\":{\"l2\":" << json_number(tr->update->l2)
+         << ",\"max\":" << json_number(tr->update->max) << ",\"changed\":" << tr->update->changed;
+      if (tr->update->sampled) os << ",\"sampled\":true";
+      if (tr->update->unseen) os << ",\"unseen\":true";
+      os << "}";
+    }
+    os << "}";
+    sep = ",";
+  }
+  os << "}";
+  return os.str();
+}
+
+void TraceWriter::step(StepRecord r) {
+  if (!is_open()) return;
+  last_step_ = r.step;
+  const char* why = nullptr;
+  if (rows_due(r.step)) {
+    why = opts_.trace_rows_every == 1 ? "all"
+                                      : (r.step < opts_.trace_first_steps ? "first" : "sampled");
+  } else if (rows_after_ > 0 && opts_.trace_tensors != "global") {
+    why = "finding";
+  }
+  if (rows_after_ > 0) rows_after_ -= 1;
   const StepTotals& t = r.totals;
   std::ostringstream os;
   os << "{\"type\":\"step\",\"step\":" << r.step << ",\"optimizer\":" << r.opt
      << ",\"lr_zero\":" << (r.lr_zero ? "true" : "false")
      << ",\"update_stats\":" << (r.update_stats ? "true" : "false")
-     << ",\"overhead_ms\":" << json_number(r.overhead_s * 1e3);
+     << ",\"overhead_ms\":" << short_number(r.overhead_s * 1e3);
   if (r.backwards >= 0) os << ",\"backwards\":" << r.backwards;
   if (r.inputs) os << ",\"inputs\":\"" << std::hex << *r.inputs << std::dec << "\"";
   if (r.targets) os << ",\"targets\":\"" << std::hex << *r.targets << std::dec << "\"";
+  if (r.loss) os << ",\"loss\":" << json_number(*r.loss);
   os << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
      << ",\"param_norm\":" << json_number(t.param_norm)
-     << ",\"update_norm\":" << json_number(t.update_norm)
-     << ",\"update_ratio\":" << json_number(t.update_ratio) << ",\"changed\":" << t.changed
-     << ",\"nonfinite_grad\":" << (t.any_nonfinite_grad ? "true" : "false") << "}";
-  if (opts_.trace_tensors != "global" && !r.tensors.empty()) {
-    std::vector<const TensorRecord*> order;
-    for (const TensorRecord& tr : r.tensors) order.push_back(&tr);
-    if (opts_.trace_tensors == "topk") {
-      std::stable_sort(
-          order.begin(), order.end(),
-          [](const TensorRecord* a, const TensorRecord* b) { return a->sort_key > b->sort_key; });
-      if (order.size() > static_cast<size_t>(opts_.trace_topk)) order.resize(opts_.trace_topk);
-    }
-    os << ",\"tensors\":{";
-    const char* sep = "";
-    for (const TensorRecord* tr : order) {
-      os << sep << json_escape(tr->name) << ":{\"param\":" << stats_json(tr->param);
-      if (tr->grad) os << ",\"grad\":" << stats_json(*tr->grad);
-      if (tr->update) {
-        os << ",\"update\":{\"l2\":" << json_number(tr->update->l2)
-           << ",\"max\":" << json_number(tr->update->max) << ",\"changed\":" << tr->update->changed
-           << "}";
-      }
-      os << "}";
-      sep = ",";
-    }
-    os << "}";
+     << ",\"update_norm\":" << (r.update_stats ? json_number(t.update_norm) : "null")
+     << ",\"update_ratio\":" << (r.update_stats ? json_number(t.update_ratio) : "null")
+     << ",\"changed\":" << (r.update_stats ? std::to_string(t.changed) : "null")
+     << ",\"nonfinite_grad\":" << (t.any_nonfinite_grad ? "true" : "false") << ",\"digest\":\""
+     << std::hex << std::setw(16) << std::setfill('0') << r.digest << std::dec << "\"}";
+  if (why != nullptr && !r.tensors.empty()) {
+    const std::string rows = tensors_json(r.tensors);
+    os << ",\"rows\":\"" << why << "\",\"tensors\":" << rows;
+    rows_records_ += 1;
+    if (std::string(why) == "sampled") add_bulk(static_cast<int64_t>(rows.size()));
   }
+  steps_written_ += 1;
   os << "}";
   line(os.str());
+  if (why == nullptr && opts_.trace_ring > 0 && !r.tensors.empty()) {
+    if (ring_.size() < static_cast<size_t>(opts_.trace_ring)) {
+      ring_.push_back({r.step, r.opt, std::move(r.tensors)});
+    } else {
+      ring_[ring_next_] = {r.step, r.opt, std::move(r.tensors)};
+      ring_next_ = (ring_next_ + 1) % ring_.size();
+    }
+  }
 }
 
 void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
@@ -221,7 +387,10 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
      << ",\"audited_forwards\":" << c.audited_forwards << ",\"ops_audited\":" << c.ops_audited
      << ",\"window_declared\":" << c.window_declared << ",\"windows\":" << c.windows
      << ",\"window_backwards\":" << c.window_backwards << ",\"window_steps\":" << c.window_steps
-     << ",\"window_samples\":" << c.window_samples << ",\"unchecked\":{";
+     << ",\"window_samples\":" << c.window_samples << ",\"trace_rows_steps\":" << rows_records_
+     << ",\"trace_bytes\":" << bytes_total_
+     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_))
+     << ",\"unchecked\":{";
   sep = "";
   for (const auto& [kind, why] : c.unchecked) {
     os << sep << json_escape(kind) << ":" << json_escape(why);
@@ -232,7 +401,8 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
 }
 
 void TraceWriter::close() {
-  if (out_.is_open()) out_.close();
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 }  // namespace trainsan::host

@@ -91,6 +91,21 @@ __device__ __forceinline__ T load_strided(const TensorDesc& t, int64_t index) {
 
 template <typename T>
 __device__ void chunk_update(const TensorDesc& t, int64_t start, int64_t count, StatsRecord& r) {
+  if (t.sample_stride > 1) {
+    // Note [Update sample]: the strata that reach into this chunk, one thread a stratum.
+    T* sample = static_cast<T*>(t.snapshot);
+    const int64_t stride = t.sample_stride;
+    const int64_t first = start / stride;
+    const int64_t last = (start + count - 1) / stride;
+    for (int64_t j = first + threadIdx.x; j <= last; j += kBlockSize) {
+      const int64_t i = sample_index(j, stride, t.numel);
+      if (i < start || i >= start + count) continue;
+      const T v = t.contiguous ? static_cast<const T*>(t.data)[i] : load_strided<T>(t, i);
+      accumulate_update<T>(r, v, sample[j]);
+      sample[j] = v;
+    }
+    return;
+  }
   T* snap = static_cast<T*>(t.snapshot) + start;
   for (int64_t i = threadIdx.x; i < count; i += kBlockSize) {
     const T v =

@@ -280,6 +280,16 @@ TRAINSAN_HD void accumulate_update(StatsRecord& r, T v, T prev) {
   r.dmax = max_(r.dmax, d < 0 ? -d : d);
 }
 
+// Note [Update sample]: the logical index of sample j of a tensor of `numel` elements cut into
+// strata of `stride` elements (stride > 1): one element of stratum j, at an offset that a hash of
+// j fixes inside it.
+TRAINSAN_HD int64_t sample_index(int64_t j, int64_t stride, int64_t numel) {
+  const int64_t lo = j * stride;
+  const int64_t size = numel - lo < stride ? numel - lo : stride;
+  const uint64_t h = mix64(static_cast<uint64_t>(j) * kHashIndexMul + 0x2545f4914f6cdd1dULL);
+  return lo + static_cast<int64_t>(h % static_cast<uint64_t>(size));
+}
+
 // Final record -> packed public row (Note [Packed row]); min/max/absmax are NaN when no element
 // is finite; the row's PassMode (Note [Lean rows]) blanks what it did not compute: a lean row has
 // NaN for min and max and hash 0, a hash row only numel and the hash.

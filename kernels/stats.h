@@ -46,11 +46,30 @@ struct TensorDesc {
   DType dtype;
   int32_t contiguous;  // 1 when element i lives at data + i * elem_size
   int32_t mode;        // PassMode: what the pass computes for this tensor (Note [Lean rows])
-  // Optional previous-value snapshot: numel elements of the same dtype in logical row-major order.
-  // When set, the pass also computes the update statistics against it (Note [Update]) and then
-  // overwrites it with the current values. Never aliases `data`.
+  // Optional previous-value snapshot, of the same dtype. With sample_stride <= 1 it holds all
+  // numel elements in logical row-major order; with sample_stride > 1 it holds the sample of
+  // Note [Update sample]: num_samples_of(numel, sample_stride) elements, element j the value at
+  // logical index sample_index(j, sample_stride, numel). When set, the pass also computes the
+  // update statistics against it (Note [Update]) over the elements it holds, and then overwrites
+  // them with the current values. Never aliases `data`.
   void* snapshot;
+  int64_t sample_stride;
 };
+
+// Note [Update sample]
+// ~~~~~~~~~~~~~~~~~~~~
+// The update statistics without a copy of the weights: a tensor of n elements is cut into strata
+// of `stride` consecutive logical elements (the last one may be shorter), and each stratum keeps
+// one element, at an offset inside it fixed by a hash of the stratum's number (sample_index). A
+// fixed, stratified sample: the same elements at every step (so an element's previous value is
+// at hand), spread evenly over the tensor, and never aligned with a row length or a channel
+// count the way a plain stride would be (a frozen column or a dead channel is sampled in
+// proportion to its size). The host chooses the stride (host/sanitizer_pass.cpp, Note [Update
+// statistics without a snapshot]); the pass reads the sampled elements of a chunk while the chunk
+// is in cache, so the sample costs no extra pass over memory.
+inline int64_t num_samples_of(int64_t numel, int64_t stride) {
+  return stride <= 1 ? numel : (numel + stride - 1) / stride;
+}
 
 // Note [Lean rows]
 // ~~~~~~~~~~~~~~~~

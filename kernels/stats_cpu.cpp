@@ -463,6 +463,23 @@ void update_chunk(const T* p, T* s, int64_t n, StatsRecord* o) {
   update_body<T>(p, s, n, o);
 }
 
+// Note [Update sample]: the update statistics of the sampled elements that lie in the chunk
+// [start, start + count), whose logical elements are at p[0, count); the sample then holds their
+// current values.
+template <typename T>
+void sample_update(const TensorDesc& t, const T* p, int64_t start, int64_t count,
+                   StatsRecord* out) {
+  T* sample = static_cast<T*>(t.snapshot);
+  const int64_t stride = t.sample_stride;
+  const int64_t last = (start + count - 1) / stride;
+  for (int64_t j = start / stride; j <= last; ++j) {
+    const int64_t i = sample_index(j, stride, t.numel) - start;
+    if (i < 0 || i >= count) continue;
+    accumulate_update<T>(*out, p[i], sample[j]);
+    sample[j] = p[i];
+  }
+}
+
 // Copy logical elements [start, start + count) of a strided tensor into `dst`, row-major.
 template <int kSize>
 void gather_strided(const TensorDesc& t, int64_t start, int64_t count, char* dst) {
@@ -531,6 +548,13 @@ void cpu_chunk_stats(const TensorDesc& t, int64_t start, int64_t count, void* sc
   TRAINSAN_DISPATCH_DTYPE(t.dtype, T,
                           chunk(reinterpret_cast<const T*>(p), start, count, out, t.mode));
   if (t.snapshot == nullptr) return;
+  if (t.sample_stride > 1) {
+    // Note [Update sample]: the strata that reach into this chunk; a sampled element is read
+    // here, where the chunk was just read (in cache, gathered where strided).
+    TRAINSAN_DISPATCH_DTYPE(t.dtype, T,
+                            sample_update(t, reinterpret_cast<const T*>(p), start, count, out));
+    return;
+  }
   char* snap = static_cast<char*>(t.snapshot) + start * es;
   TRAINSAN_DISPATCH_DTYPE(
       t.dtype, T,

@@ -479,6 +479,7 @@ TORCH_LIBRARY(trainsan, m) {
              return out;
            })
       .def("hooks_installed", [](const H& h) { return h->san->hooks_installed(); })
+      .def("take_trace_error", [](const H& h) { return h->san->take_trace_error(); })
       .def("auditing", [](const H& h) { return h->san->auditing(); })
       .def("pause_audit",
            [](const H& /*h*/, bool paused) { trainsan::Sanitizer::pause_audit(paused); })
@@ -500,12 +501,14 @@ TORCH_LIBRARY(trainsan, m) {
              counts.insert("window_backwards", c.window_backwards);
              counts.insert("window_steps", c.window_steps);
              counts.insert("window_samples", c.window_samples);
+             counts.insert("trace_rows_steps", c.trace_rows_steps);
+             counts.insert("trace_bytes", c.trace_bytes);
              std::vector<std::string> kinds, reasons;
              for (const auto& [k, why] : c.unchecked) {
                kinds.push_back(k);
                reasons.push_back(why);
              }
-             return std::make_tuple(counts, kinds, reasons);
+             return std::make_tuple(counts, kinds, reasons, c.trace_error);
            })
       .def("step", [](const H& h) { return h->san->step(); })
       .def("overhead_s", [](const H& h) { return h->san->overhead_seconds(); })

@@ -121,6 +121,8 @@ def summary_text(step: int, findings: list, c: dict) -> str:
         )
     for kind, why in c["unchecked"].items():
         lines.append(f"  not checked: {kind}: {why}")
+    if c.get("trace_error"):
+        lines.append(f"  trace: {c['trace_error']}")
     for o in c["outside_model"]:
         shapes = ", ".join(str(x) for x in o["shapes"]) + (", ..." if o["count"] > 3 else "")
         lines.append(f"  not checked: {o['count']} of the {o['of']} parameter(s) of optimizer "

@@ -205,7 +205,8 @@ class Provenance:
             rows = range_rows([t for _, _, t in ranges])
             for (name, dtype, _), row in zip(ranges, rows):
                 san._handle.trace_record(json.dumps(
-                    range_record(self._step, "output", name or "(model)", dtype, row)))
+                    range_record(self._step, "output", name or "(model)", dtype, row),
+                    separators=(",", ":")))
         except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
             warnings.warn(f"trainsan: precision headroom of module outputs skipped "
                           f"({type(exc).__name__}: {exc})", stacklevel=3)
@@ -427,7 +428,8 @@ def write_headroom(handle, tracked: list, opt_index: list, k: int, step: int) ->
                 items.append(("grad", name, g))
         rows = range_rows([t for _, _, t in items])
         for (what, name, t), row in zip(items, rows):
-            handle.trace_record(json.dumps(range_record(step, what, name, t.dtype, row)))
+            handle.trace_record(json.dumps(range_record(step, what, name, t.dtype, row),
+                                           separators=(",", ":")))
     except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
         warnings.warn(f"trainsan: precision headroom skipped at step {step} "
                       f"({type(exc).__name__}: {exc})", stacklevel=3)

@@ -144,6 +144,9 @@ class Sanitizer:
             external,
         )
         handle = self._handle
+        trace_error = handle.take_trace_error()  # Note [Bounded trace]: told at attach
+        if trace_error:
+            warnings.warn(trace_error, UserWarning, stacklevel=3)
         self._hot = HotEvents(handle)  # its per-step events (Note [Hot path])
         # Note [Attach order]: the notes so far go into a restarted trace too; an optimizer that
         # holds none of the model's parameters is one under "warn" and "record".
@@ -569,11 +572,12 @@ class Sanitizer:
         ``{kind: reason}`` for the enabled checks that never had what they need, and
         ``outside_model``: per attached optimizer holding parameters that are not the model's,
         ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
-        counts, kinds, reasons = self._handle.coverage()
+        counts, kinds, reasons, trace_error = self._handle.coverage()
         out = dict(counts)
         for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
             out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
+        out["trace_error"] = trace_error or None
         out["outside_model"] = outside_model(self._optimizers, self._param_ids)
         if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (

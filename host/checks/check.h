@@ -56,6 +56,12 @@ struct UpdateStats {
   int64_t changed = 0;  ///< elements whose bits changed in this step
   double l2 = 0.0;      ///< ||dtheta||
   double max = 0.0;     ///< max |dtheta|
+  /// Note [Update statistics without a snapshot] (sanitizer_pass.cpp): changed and l2 estimated
+  /// from the tensor's sample, max the largest of the sample; changed == 0 stays exact.
+  bool sampled = false;
+  /// The tensor changed (its fingerprint moved) but none of its sampled elements did: l2 and max
+  /// are unknown (0 here), changed is a lower bound.
+  bool unseen = false;
 };
 
 /// One parameter in a step.
@@ -106,6 +112,9 @@ struct StepTotals {
   double param_norm = 0.0;  ///< over the finite parameters, after the step
   double update_norm = 0.0;
   double update_ratio = 0.0;  ///< update_norm / ||theta before|| (after, where unknown)
+  /// Some tensor changed where its sample saw no change (UpdateStats::unseen): update_norm and
+  /// update_ratio are then lower bounds.
+  bool update_lower_bound = false;
   double ratio_denom = 0.0;
   int64_t changed = 0;
   bool any_update = false;

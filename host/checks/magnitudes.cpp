@@ -40,7 +40,10 @@ void MagnitudeCheck::on_step(const StepView& v) {
       s.grad_norm_steps += 1;
     }
   }
-  if (t.any_update && !v.lr_zero && t.ratio_denom > 0.0 && t.grad_norm > 0.0) {
+  // A ratio that is only a lower bound (a change no sampled element saw) judges only the top of
+  // the band.
+  if (t.any_update && !v.lr_zero && t.ratio_denom > 0.0 && t.grad_norm > 0.0 &&
+      !(t.update_lower_bound && t.update_ratio < opts_.update_ratio_low)) {
     const double ratio = t.update_ratio;
     const bool outside = ratio < opts_.update_ratio_low || ratio > opts_.update_ratio_high;
     s.update_ratio_out = outside ? s.update_ratio_out + 1 : 0;

@@ -31,6 +31,7 @@ void compute_totals(StepView& view) {
       t.any_update = true;
       upd_sq += p.update->l2 * p.update->l2;
       t.changed += p.update->changed;
+      t.update_lower_bound = t.update_lower_bound || p.update->unseen;
       if (std::isfinite(p.param_l2_before)) {
         pre_sq += p.param_l2_before * p.param_l2_before;
       } else {

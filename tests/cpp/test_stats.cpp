@@ -8,9 +8,12 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "stats.cuh"
+#include "stats_internal.h"
 #include "stats_reference.h"
 #include "trainsan/stats.h"
 
@@ -490,3 +493,111 @@ TEST(TensorStats, BadInputNamesTheElement) {
 }
 
 }  // namespace
+
+// --- Note [Update sample] ----------------------------------------------------------------------
+
+namespace {
+
+// The logical indices a tensor's sample holds.
+std::vector<int64_t> sample_indices(int64_t n) {
+  const int64_t stride = trainsan::host::update_sample_stride(n);
+  std::vector<int64_t> idx;
+  for (int64_t j = 0; j < trainsan::kernels::num_samples_of(n, stride); ++j) {
+    idx.push_back(stride <= 1 ? j : trainsan::kernels::sample_index(j, stride, n));
+  }
+  return idx;
+}
+
+at::Tensor bits_of(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 2:
+      return t.view(at::kShort).to(at::kLong);
+    case 4:
+      return t.view(at::kInt).to(at::kLong);
+    default:
+      return t.view(at::kLong);
+  }
+}
+
+}  // namespace
+
+// The strata: one element each, inside its stratum, at offsets that vary (never a plain stride),
+// at most kUpdateSampleCap of them; small tensors whole.
+TEST(UpdateSample, OneElementPerStratumAtHashedOffsets) {
+  for (const int64_t n : {int64_t{1}, int64_t{4096}, int64_t{4097}, int64_t{70001},
+                          int64_t{3} << 20, (int64_t{1} << 31) + 5}) {
+    const int64_t stride = trainsan::host::update_sample_stride(n);
+    const int64_t m = trainsan::kernels::num_samples_of(n, stride);
+    EXPECT_LE(m, trainsan::host::kUpdateSampleCap) << n;
+    if (n <= trainsan::host::kUpdateSampleCap) {
+      EXPECT_EQ(stride, 1) << n;
+      continue;
+    }
+    std::set<int64_t> offsets;
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = trainsan::kernels::sample_index(j, stride, n);
+      ASSERT_GE(i, j * stride) << n << " " << j;
+      ASSERT_LT(i, std::min(n, (j + 1) * stride)) << n << " " << j;
+      offsets.insert(i - j * stride);
+    }
+    EXPECT_GT(offsets.size(), std::min<size_t>(static_cast<size_t>(stride), 64) / 2) << n;
+  }
+}
+
+// The pass against a sample equals a float64 reference over the sampled elements (bits changed,
+// ||d|| and max |d| over elements finite in both), for every floating dtype, contiguous and
+// strided tensors, one and many chunks, NaN/Inf/subnormals included; and leaves the sample
+// holding the current values. make_update_snapshot gathers the same elements.
+TEST(UpdateSample, PassMatchesReferenceOverTheSampledElements) {
+  uint64_t seed = 11;
+  for (const at::ScalarType st : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    for (const int64_t n : {int64_t{4000}, int64_t{5000}, int64_t{3} * kChunk + 17}) {
+      for (const bool strided : {false, true}) {
+        const std::string what = name(st) + " n=" + std::to_string(n) + (strided ? " T" : "");
+        at::Tensor before = random_tensor(st, n, seed++);
+        at::Tensor after = before.clone();
+        // Change about a third of the elements (some to NaN/Inf, which random_tensor seeds).
+        const at::Tensor other = random_tensor(st, n, seed++);
+        const at::Tensor mask = at::arange(n) % 3 == 0;
+        after = at::where(mask, other, after);
+        if (strided) {  // the same logical values, read through a transposed view
+          const int64_t rows = n % 2 == 0 ? 2 : 1;
+          before = before.reshape({n / rows, rows}).t().contiguous().t();
+          after = after.reshape({n / rows, rows}).t().contiguous().t();
+        }
+        at::Tensor snap =
+            trainsan::host::make_update_snapshot(before, /*exact=*/false).reshape({-1});
+        const std::vector<int64_t> idx = sample_indices(n);
+        const at::Tensor index = at::tensor(idx, at::kLong);
+        ASSERT_EQ(snap.numel(), static_cast<int64_t>(idx.size())) << what;
+        ASSERT_TRUE(at::equal(bits_of(snap), bits_of(before.reshape({-1}).index_select(0, index))))
+            << what;
+        // Reference over the sampled elements.
+        const at::Tensor a = after.reshape({-1}).index_select(0, index);
+        const at::Tensor b = snap.clone();
+        const int64_t changed = at::ne(bits_of(a), bits_of(b)).sum().item<int64_t>();
+        const at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
+        const at::Tensor both = at::isfinite(ad) & at::isfinite(bd);
+        const at::Tensor d = at::where(both, ad - bd, at::zeros_like(ad));
+        const double l2 = d.pow(2).sum().sqrt().item<double>();
+        const double mx = d.abs().max().item<double>();
+
+        const std::vector<at::Tensor> snaps{snap};
+        const trainsan::PackedStats p = trainsan::host::packed_cpu({after}, &snaps);
+        namespace kn = trainsan::kernels;
+        EXPECT_EQ(p.ints[0][kn::kColChanged].item<int64_t>(), changed) << what;
+        EXPECT_NEAR(p.floats[0][kn::kColUpdateL2].item<double>(), l2, 1e-12 * (1.0 + l2)) << what;
+        EXPECT_EQ(p.floats[0][kn::kColUpdateMax].item<double>(), mx) << what;
+        EXPECT_TRUE(at::equal(bits_of(snap), bits_of(a))) << what << ": sample not rewritten";
+        // The tensor's own statistics are those of a pass without a snapshot.
+        const trainsan::PackedStats plain = trainsan::host::packed_cpu({after});
+        for (int c = 0; c < kn::kIntFields; ++c) {
+          EXPECT_EQ(p.ints[0][c].item<int64_t>(), plain.ints[0][c].item<int64_t>()) << what << c;
+        }
+        // The exact form: the same figures over every element.
+        at::Tensor full = trainsan::host::make_update_snapshot(before, /*exact=*/true);
+        ASSERT_EQ(full.numel(), n);
+      }
+    }
+  }
+}

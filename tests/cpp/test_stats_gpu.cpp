@@ -294,6 +294,33 @@ TEST_F(TensorStatsGpu, SingleLaunchWithUpdateEqualsCpu) {
   }
 }
 
+// Note [Update sample]: the CUDA pass against samples gives the CPU pass's bits, and rewrites
+// the samples alike (many chunks, a stride that spans chunks, strided tensors).
+TEST_F(TensorStatsGpu, SampledUpdateEqualsCpu) {
+  std::vector<at::Tensor> cpu, snap_cpu, snap_gpu;
+  std::vector<double> scale;
+  uint64_t seed = 900;
+  for (const int64_t n : {int64_t{4097}, int64_t{5} * kChunk + 3, int64_t{1} << 22}) {
+    for (const at::ScalarType st : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}) {
+      const at::Tensor before = random_tensor(st, n, seed++);
+      at::Tensor after = at::where(at::arange(n) % 2 == 0, random_tensor(st, n, seed++), before);
+      if (n % 2 == 0) after = after.reshape({2, n / 2}).t().contiguous().t();
+      cpu.push_back(after);
+      scale.push_back(finite_abs_sum(after));
+      snap_cpu.push_back(trainsan::host::make_update_snapshot(before, false));
+      snap_gpu.push_back(trainsan::host::make_update_snapshot(before.cuda(), false));
+      ASSERT_LT(snap_cpu.back().numel(), n);
+    }
+  }
+  const std::vector<char> modes(cpu.size(), static_cast<char>(kn::kModeFull));
+  expect_packed_equal(trainsan::host::packed_cuda(to_cuda(cpu), &snap_gpu, &modes),
+                      trainsan::host::packed_cpu(cpu, &snap_cpu, &modes), scale, "sampled");
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const at::Tensor g = snap_gpu[i].cpu();
+    ASSERT_EQ(std::memcmp(g.const_data_ptr(), snap_cpu[i].const_data_ptr(), g.nbytes()), 0) << i;
+  }
+}
+
 // The ticket counters are reset by every launch: passes of several sizes on one stream (the
 // buffer regrows once past its first 1024 counters), then on a stream of the pool, all give the
 // bits of the first pass.

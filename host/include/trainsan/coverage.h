@@ -30,6 +30,11 @@ struct Coverage {
   int64_t window_backwards = 0;
   int64_t window_steps = 0;
   int64_t window_samples = -1;
+  /// The trace (Note [Bounded trace] in host/trace.h): step records with per-tensor rows, bytes
+  /// written, and the error that stopped it ("" while it is written, or without a trace).
+  int64_t trace_rows_steps = 0;
+  int64_t trace_bytes = 0;
+  std::string trace_error;
   /// Enabled kinds that never had what they need, with the reason.
   std::vector<std::pair<std::string, std::string>> unchecked;
 };

@@ -412,6 +412,10 @@ class Sanitizer {
   bool auditing() const;
   /// What was checked so far, and which enabled checks never had what they need.
   Coverage coverage() const;
+  /// The trace's failure (it could not be opened or written: Note [Bounded trace]) if it was not
+  /// told yet, else "": whoever takes it tells the user; otherwise the next event warns with it
+  /// (TORCH_WARN).
+  std::string take_trace_error();
   /// Setup::binding (trainsan::attach's); null without one.
   ModelBinding* binding() const;
 

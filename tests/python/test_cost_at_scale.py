@@ -1,0 +1,298 @@
+"""Cost at scale (issue 35): update statistics without a copy of the weights (Note [Update
+statistics without a snapshot]), a trace bounded per step (Note [Bounded trace]), and a trace that
+cannot be written told, never raised into the loop."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import trainsan
+from trainsan.report import diff, load_trace
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _pair(seed=0, big=512):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, big), nn.ReLU(), nn.Linear(big, big), nn.ReLU(),
+                          nn.Linear(big, 10))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _steps(model, opt, n, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+# --- update statistics from the sample ------------------------------------------------------
+
+
+def test_sampled_update_estimates_agree_with_the_exact_copy():
+    """The same run twice, exact copy and sample: every tensor's changed count and ||dtheta||
+    within a few percent (tensors of <= 4096 elements exactly), max |dtheta| a lower bound."""
+    stats = []
+    for exact in (True, False):
+        model, opt = _pair()
+        with trainsan.attach(model, opt, policy="record", overhead_budget=0,
+                             exact_updates=exact) as san:
+            _steps(model, opt, 4)
+            stats.append(san.last_stats())
+            assert san.findings == []
+    ex, sa = stats
+    for name, s in ex.items():
+        if not name.endswith(".update"):
+            continue
+        e, a = s, sa[name]
+        assert e.l2 > 0
+        if e.numel <= 4096:
+            assert (a.l2, a.zero, a.absmax) == (e.l2, e.zero, e.absmax), name
+            continue
+        assert abs(a.l2 - e.l2) <= 0.05 * e.l2, (name, a.l2, e.l2)
+        assert abs((e.numel - a.zero) - (e.numel - e.zero)) <= 0.03 * e.numel, name
+        assert 0 < a.absmax <= e.absmax, name
+
+
+def test_a_tensor_the_step_skips_is_found_exactly_and_sparse_updates_are_not():
+    """A custom step that leaves one large tensor unchanged: skipped_step names it from the
+    fingerprints; an embedding whose few rows change (most sampled elements do not) is never
+    called unchanged, and its update ratio is never judged too low from the sample alone."""
+
+    class SkipsOne(torch.optim.Optimizer):  # an off-by-one over its group's list
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for k, p in enumerate(group["params"]):
+                    if k != 1 and p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 4))
+    params = [model[2].bias, model[2].weight] + [p for n, p in model.named_parameters()
+                                                 if not n.startswith("2.")]
+    opt = SkipsOne(params, lr=0.1)
+    with trainsan.attach(model, opt, policy="record", overhead_budget=0) as san:
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,))).backward()
+            opt.step()
+    hits = [f for f in san.findings if f.kind == "skipped_step"]
+    assert [f.tensor for f in hits] == ["2.weight"], san.findings
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50_000, 64)
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx).mean(1))
+
+    torch.manual_seed(0)
+    model = Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # sparse rows: no momentum, no decay
+    with trainsan.attach(model, opt, policy="record", overhead_budget=0) as san:
+        for _ in range(8):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randint(0, 50_000, (4, 3))),
+                            torch.randint(0, 4, (4,))).backward()
+            opt.step()
+        upd = san.last_stats()["emb.weight.update"]
+        assert upd.numel - upd.zero >= 1  # changed, whatever the sample saw
+    kinds = {f.kind for f in san.findings}
+    assert "skipped_step" not in kinds and "update_ratio" not in kinds, san.findings
+
+
+def test_update_outside_step_from_fingerprints():
+    model, opt = _pair(big=128)
+    with trainsan.attach(model, opt, policy="record", checks={"update_outside_step": True}) as san:
+        _steps(model, opt, 3)
+        with torch.no_grad():
+            model[2].weight[7, 3] += 1.0  # one element of a 16k-element tensor, outside a step
+        _steps(model, opt, 2, seed=1)
+    hits = [f for f in san.findings if f.kind == "update_outside_step"]
+    assert [f.tensor for f in hits] == ["2.weight"], san.findings
+
+
+def test_the_sample_costs_no_copy_of_the_weights():
+    """A 64 MiB parameter: the exact copy costs its size in resident memory, the sample
+    (at most 4096 elements a tensor) next to nothing."""
+    grown = {}
+    for exact in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(4096, 4096, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model(torch.randn(2, 4096)).sum().backward()  # the gradient exists before the mark
+        before = _rss_mib()
+        with trainsan.attach(model, opt, policy="record", exact_updates=exact):
+            grown[exact] = _rss_mib() - before
+        del model, opt
+    assert grown[True] > 48, grown
+    assert grown[False] < 8, grown
+
+
+# --- the bounded trace ----------------------------------------------------------------------
+
+
+def _many_tensors(layers=24, width=32):
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.LayerNorm(width)]
+    return nn.Sequential(*mods, nn.Linear(width, 4))
+
+
+def _train_traced(path, steps, nan_at=None, **kw):
+    model = _many_tensors()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sizes = {}
+    with trainsan.attach(model, opt, policy="record", trace=path, **kw) as san:
+        for s in range(steps):
+            opt.zero_grad()
+            x = torch.randn(4, 32)
+            if s == nan_at:
+                x[0, 0] = float("nan")
+            F.cross_entropy(model(x), torch.randint(0, 4, (4,))).backward()
+            opt.step()
+            sizes[s] = os.path.getsize(path)
+    return san, sizes
+
+
+def test_trace_grows_at_most_1_kib_a_step_and_rows_go_where_they_matter(tmp_path):
+    path = tmp_path / "t.jsonl"
+    n_tensors = len(list(_many_tensors().parameters()))
+    san, sizes = _train_traced(path, 662, nan_at=650)
+    assert (sizes[600] - sizes[300]) / 300 <= 1024, (sizes[600] - sizes[300]) / 300
+    t = load_trace(str(path))
+    steps = {s["step"]: s for s in t["steps"]}
+    assert len(steps) == 662
+    assert all("loss" in s and len(s["global"]["digest"]) == 16 for s in steps.values())
+    rows = {st: s["rows"] for st, s in steps.items() if "tensors" in s}
+    assert {st for st, why in rows.items() if why == "first"} == set(range(10))
+    sampled = [st for st, why in rows.items() if why == "sampled"]
+    assert sampled and all(st % 100 == 0 for st in sampled), rows  # within the bytes' budget
+    assert all(len(steps[st]["tensors"]) == n_tensors for st in rows)
+    # The NaN at step 450: the ring's 8 steps before it (written late) and 8 after it.
+    nan = min(f["step"] for f in t["findings"] if f["kind"] == "nonfinite_grad")
+    assert nan == 650
+    assert all(rows.get(st) == "before_finding" for st in range(642, 650)), rows
+    assert all(rows.get(st) == "finding" for st in range(650, 659)), rows
+    assert t["summary"]["coverage"]["trace_rows_steps"] == sum(
+        1 for s in t["steps"] if s.get("rows") in ("first", "sampled", "finding"))
+    assert san.coverage()["trace_error"] is None
+
+
+def test_diff_of_bounded_traces_finds_the_first_differing_step(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    torch.manual_seed(0)
+    _train_traced(a, 250)
+    torch.manual_seed(0)
+    _train_traced(b, 250)
+    assert diff(str(a), str(b)).startswith("no difference")
+    torch.manual_seed(0)
+    model = _many_tensors()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    c = tmp_path / "c.jsonl"
+    with trainsan.attach(model, opt, policy="record", trace=c):
+        for s in range(250):
+            opt.zero_grad()
+            x = torch.randn(4, 32)
+            y = torch.randint(0, 4, (4,))
+            if s == 137:
+                with torch.no_grad():
+                    model[4].weight.mul_(1.0 + 2 ** -20)  # numerics differ from step 137 on
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    out = diff(str(a), str(c))
+    assert "137" in out, out
+
+
+def test_rows_every_step_is_the_old_full_trace(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _train_traced(path, 30, trace_rows_every=1)
+    t = load_trace(str(path))
+    assert all(s.get("rows") == "all" and s["tensors"] for s in t["steps"])
+
+
+def test_rotation_keeps_the_newest_part_with_a_header(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _train_traced(path, 400, trace_max_mb=0.05)
+    assert path.with_name("t.jsonl.1").exists()
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["type"] == "header" and first["rotated"] >= 1
+    assert os.path.getsize(path) <= 0.05 * 1048576 + 64 * 1024
+
+
+# --- a trace that cannot be written ---------------------------------------------------------
+
+
+def test_unwritable_trace_is_told_once_and_the_run_goes_on():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    model, opt = _pair(big=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with trainsan.attach(model, opt, trace="/dev/full") as san:  # policy raise
+            _steps(model, opt, 200)
+    told = [w for w in caught if "/dev/full" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "No space left on device" in str(told[0].message)
+    assert san.step == 200
+    assert "/dev/full" in (san.coverage()["trace_error"] or "")
+    assert "trace: " in san.summary()
+
+
+def test_trace_that_cannot_be_opened(tmp_path):
+    model, opt = _pair(big=64)
+    bad = tmp_path / "no" / "such" / "dir" / "t.jsonl"
+    with pytest.raises(ValueError, match="No such file or directory"):
+        trainsan.attach(model, opt, trace=bad)
+    with pytest.warns(UserWarning, match="cannot open the trace file"):
+        san = trainsan.attach(model, opt, policy="warn", trace=bad)
+    with san:
+        _steps(model, opt, 3)
+    assert san.step == 3 and "cannot open" in san.summary()
+
+
+def test_kill_9_keeps_every_record_before_the_step_in_flight(tmp_path):
+    path = tmp_path / "k.jsonl"
+    script = textwrap.dedent(f"""
+        import os, signal, torch, torch.nn as nn, torch.nn.functional as F, trainsan
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        san = trainsan.attach(model, opt, trace={str(path)!r})
+        for s in range(100):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 3, (4,))).backward()
+            opt.step()
+            if s == 50:
+                os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in recs if r["type"] == "step"] == list(range(51))
