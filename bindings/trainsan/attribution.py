@@ -276,21 +276,40 @@ def _rank() -> int:
 def poison_batches(trace: Union[str, os.PathLike, Iterable]) -> list[dict]:
     """The ``poison_batch`` records of a TrainSan trace (a path, or several): the batches whose
     non-finite loss or gradient, or loss spike, reproduced when their step was re-run
-    (rerun_on_error), each ``{"rank", "step", "fingerprint", "tensors", "kind"}``."""
+    (rerun_on_error), each ``{"rank", "step", "fingerprint", "tensors", "kind"}``. A rotated
+    trace (trace_max_mb) is read with the earlier part it continues, ``<path>.1``."""
     paths = [trace] if isinstance(trace, (str, os.PathLike)) else list(trace)
     out = []
     for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if '"poison_batch"' not in line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("type") == "poison_batch":
-                    out.append(rec)
+        # A rotated trace (trace_max_mb) begins with a header that has "rotated": the records
+        # before it, poison batches among them, are in <path>.1; read first, in order.
+        parts = [path]
+        earlier = f"{os.fspath(path)}.1"
+        if _rotated(path) and os.path.isfile(earlier):
+            parts.insert(0, earlier)
+        for part in parts:
+            with open(part, encoding="utf-8") as fh:
+                for line in fh:
+                    if '"poison_batch"' not in line:
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and rec.get("type") == "poison_batch":
+                        out.append(rec)
     return out
+
+
+def _rotated(path) -> bool:
+    """Whether the trace at `path` starts with the header of a rotation ("rotated": k)."""
+    with open(path, encoding="utf-8") as fh:
+        first = fh.readline()
+    try:
+        head = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(head, dict) and head.get("type") == "header" and bool(head.get("rotated"))
 
 
 def skip_poison(batches: Iterable, trace: Union[str, os.PathLike, Iterable],

@@ -1,12 +1,19 @@
 """A self-contained HTML report of TrainSan traces: ``python -m trainsan report T --html P``.
 
 One page, no network: no scripts, no external fonts or style sheets; the plots are inline SVG
-drawn here (no matplotlib). Per trace: the provenance (the header's fields), the findings
-timeline, the global norms and the update ratio over steps (log scale), per-layer heat maps
-(tensor x step) of the gradient norm and of the update ratio (update.l2 / param.l2), and the
-summary's coverage. Non-finite or missing values (the trace writes ``null`` for NaN/Inf) are
-gaps; a trace without per-tensor statistics, without step records or without a summary (the run
-ended early) gets a note in place of what it lacks. All text is escaped.
+drawn here (no matplotlib). Per trace, what went wrong first: a line on the trace (and a banner
+where writing it failed mid-run, or where it continues a rotated file), the findings (a table
+coloured by severity under the first error, and a timeline), the loss over steps with each
+finding marked at its step, the global norms and the update ratio over steps (log scale),
+per-layer heat maps (tensor x step) of the gradient norm and of the update ratio (update.l2 /
+param.l2) from the step records that carry per-tensor rows, the summary's coverage, and last the
+provenance (the header's fields) folded in a closed ``<details>``.
+
+Non-finite or missing values (the trace writes ``null`` for NaN/Inf, and a value measured on some
+steps only is null or, for update statistics, off on the others) are gaps: a line breaks there,
+and a value with no measured neighbour is drawn as a dot. A trace without per-tensor statistics,
+without step records or without a summary (the run ended early) gets a note in place of what it
+lacks. All text is escaped.
 """
 
 from __future__ import annotations
@@ -17,15 +24,16 @@ import math
 import os
 from typing import Optional
 
-from .report import load_trace
+from .report import has_rows, load_trace, rotated_from, trace_error
 
 _SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+_SEVERITY_TINTS = {"error": "#fdecea", "warning": "#fff3e0", "info": "#e8f1fa"}
 _SERIES_COLOURS = {"grad_norm": "#1f77b4", "param_norm": "#2ca02c", "update_norm": "#9467bd",
-                   "update_ratio": "#d62728"}
+                   "update_ratio": "#d62728", "loss": "#333333"}
 # viridis at 0, .25, .5, .75, 1
 _PALETTE = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
 _MISSING = "#e6e6e6"
-_MAX_POINTS = 4000   # line charts: more steps than this are sampled evenly
+_MAX_POINTS = 4000   # line charts: more points than this are thinned (Note [Thinned lines])
 _MAX_COLUMNS = 400   # heat maps: more steps than this are binned (max per bin)
 _MAX_ROWS = 300      # heat maps: more tensors than this are cut (noted on the page)
 
@@ -39,6 +47,12 @@ th{background:#f2f2f2}td.k{font-weight:bold;white-space:nowrap}
 .note{color:#666;font-style:italic}.sev{font-weight:bold}
 .msg{max-width:70em}svg{display:block;margin:.3em 0}
 code{word-break:break-all}
+.alert{border:2px solid #d62728;background:#fdecea;padding:.4em .8em;margin:.5em 0;font-weight:bold}
+.rotated{border-left:4px solid #1f77b4;background:#e8f1fa;padding:.3em .8em;margin:.5em 0}
+.first-error{border:2px solid #d62728;background:#fdecea;padding:.5em .8em;margin:.5em 0}
+.first-error .what{font-size:1.1em;font-weight:bold;color:#b71c1c}
+details.provenance{margin-top:2em}details.provenance summary{cursor:pointer}
+details.provenance summary h3{display:inline}
 """
 
 
@@ -62,6 +76,11 @@ def _pos(v) -> Optional[float]:
 
 def _fmt(v) -> str:
     return "—" if v is None else f"{v:.4g}"
+
+
+def _step(x) -> str:
+    """A step number as text (an integer without exponent or decimals)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 # ---------------------------------------------------------------- small table helpers
@@ -104,70 +123,149 @@ def _log_range(values: list) -> tuple:
     return llo - pad, lhi + pad
 
 
-def _sample(n: int, limit: int) -> list:
-    if n <= limit:
-        return list(range(n))
-    return sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
+def _lin_ticks(lo: float, hi: float) -> list:
+    """About six round tick values (1, 2 or 5 times a power of ten apart) within [lo, hi]."""
+    raw = (hi - lo) / 6
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step)
+    return [k * step for k in range(first, int(math.floor(hi / step)) + 1)]
 
 
-def _line_chart(title: str, xs: list, series: dict, width=820, height=300) -> str:
-    """A log-scale line chart; None values are gaps. series: {name: [y or None]}."""
+def _runs(xs: list, ys: list) -> list:
+    """The runs of consecutive measured values of a series: lists of (x, y), split at every None
+    (a step record without the value), in record order."""
+    runs, cur = [], []
+    for x, y in zip(xs, ys):
+        if y is None:
+            if cur:
+                runs.append(cur)
+            cur = []
+        else:
+            cur.append((x, y))
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+# Note [Thinned lines]: a line chart of many steps keeps, per pixel column of each run of
+# measured values, the run's first and last point there and its lowest and highest: what a line
+# of every point would show at that width, spikes included. Runs are thinned each on its own, so
+# a thinned line never joins two points across a gap.
+def _thin(run: list, px, budget: int) -> list:
+    """The points of `run` to draw (all of them where there are at most `budget`); px maps a
+    step to its x pixel."""
+    if len(run) <= max(budget, 4):
+        return run
+    cols: dict = {}
+    for i, (x, y) in enumerate(run):
+        cols.setdefault(int(px(x)), []).append(i)
+    keep = set()
+    for idx in cols.values():
+        keep.update((idx[0], idx[-1], min(idx, key=lambda i: run[i][1]),
+                     max(idx, key=lambda i: run[i][1])))
+    return [run[i] for i in sorted(keep)]
+
+
+def _line_chart(title: str, xs: list, series: dict, width=820, height=300, log=True,
+                domain=None, markers=()) -> str:
+    """A line chart (log scale unless `log` is false) of series {name: [y or None]} over the
+    steps xs. None values are gaps: each run of measured values is its own polyline, and a value
+    with no measured neighbour is a dot. `domain`: the (first, last) step of the x axis (default:
+    those of xs); `markers`: findings drawn as vertical lines at their steps, coloured by
+    severity, each with a tooltip."""
     vals = [y for ys in series.values() for y in ys if y is not None]
     if not vals:
-        return f"<p class='note'>{_esc(title)}: no finite positive values to plot.</p>"
+        what = "finite positive values" if log else "finite values"
+        return f"<p class='note'>{_esc(title)}: no {what} to plot.</p>"
     left, right, top, bottom = 70, 150, 20, 40
     pw, ph = width - left - right, height - top - bottom
-    x0, x1 = min(xs), max(xs)
+    x0, x1 = domain if domain else (min(xs), max(xs))
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
-    llo, lhi = _log_range(vals)
+    if log:
+        lo, hi = _log_range(vals)
+        ticks = [t for t in _log_ticks(10 ** lo, 10 ** hi) if lo <= math.log10(t) <= hi]
+
+        def f(y):
+            return math.log10(y)
+    else:
+        lo, hi = min(vals), max(vals)
+        if hi - lo < 1e-12 * max(1.0, abs(hi)):
+            lo, hi = lo - max(0.5, abs(lo) * 0.1), hi + max(0.5, abs(hi) * 0.1)
+        pad = 0.05 * (hi - lo)
+        lo, hi = lo - pad, hi + pad
+        ticks = _lin_ticks(lo, hi)
+
+        def f(y):
+            return y
 
     def sx(x):
         return left + (x - x0) / (x1 - x0) * pw
 
     def sy(y):
-        return top + (lhi - math.log10(y)) / (lhi - llo) * ph
+        return top + (hi - f(y)) / (hi - lo) * ph
 
     out = [f"<svg class='chart' width='{width}' "
            f"height='{height}' viewBox='0 0 {width} {height}' role='img' "
            f"aria-label='{_esc(title)}'><title>{_esc(title)}</title>",
            f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='#fafafa' "
            f"stroke='#999'/>"]
-    for t in _log_ticks(10 ** llo, 10 ** lhi):
-        if llo <= math.log10(t) <= lhi:
-            y = sy(t)
-            out.append(f"<line x1='{left}' x2='{left + pw}' y1='{y:.1f}' y2='{y:.1f}' "
-                       f"stroke='#ddd'/><text x='{left - 5}' y='{y + 4:.1f}' font-size='11' "
-                       f"text-anchor='end'>{_esc(f'{t:.3g}')}</text>")
-    for i in _sample(6, 6):
-        xv = x0 + (x1 - x0) * i / 5
+    for t in ticks:
+        y = sy(t)
+        out.append(f"<line x1='{left}' x2='{left + pw}' y1='{y:.1f}' y2='{y:.1f}' "
+                   f"stroke='#ddd'/><text x='{left - 5}' y='{y + 4:.1f}' font-size='11' "
+                   f"text-anchor='end'>{_esc(f'{t:.3g}')}</text>")
+    xticks = (_lin_ticks(x0, x1) if x1 - x0 >= 5
+              else [x0 + (x1 - x0) * i / 5 for i in range(6)])
+    for xv in xticks:
         out.append(f"<text x='{sx(xv):.1f}' y='{top + ph + 15}' font-size='11' "
-                   f"text-anchor='middle'>{_esc(f'{xv:.6g}')}</text>")
+                   f"text-anchor='middle'>{_esc(_step(xv))}</text>")
     out.append(f"<text x='{left + pw / 2}' y='{height - 5}' font-size='12' "
                f"text-anchor='middle'>step</text>")
-    idx = _sample(len(xs), _MAX_POINTS)
-    for k, (name, ys) in enumerate(series.items()):
+    for m in markers:  # behind the lines, so that they stay readable
+        sev = str(m.get("severity"))
+        colour = _SEVERITY_COLOURS.get(sev, "#555")
+        x = sx(_num(m["step"]))
+        tip = (f"step {m.get('step')} [{sev}] {m.get('kind')}"
+               + (f" {m['tensor']}" if m.get("tensor") else ""))
+        out.append(f"<g class='finding-marker' data-step='{_esc(m.get('step'))}'><title>"
+                   f"{_esc(tip)}</title><line x1='{x:.1f}' x2='{x:.1f}' y1='{top}' "
+                   f"y2='{top + ph}' stroke='{colour}' stroke-width='2' stroke-opacity='0.7' "
+                   f"stroke-dasharray='4 2'/><path d='M{x - 5:.1f},{top - 8} h10 l-5,8 z' "
+                   f"fill='{colour}'/></g>")
+    budget = max(50, _MAX_POINTS // max(1, len(series)))
+    legend = list(series)
+    for name, ys in series.items():
         colour = _SERIES_COLOURS.get(name, "#333")
-        segs, cur = [], []
-        for i in idx:
-            if ys[i] is None:
-                if cur:
-                    segs.append(cur)
-                cur = []
-            else:
-                cur.append(f"{sx(xs[i]):.1f},{sy(ys[i]):.1f}")
-        if cur:
-            segs.append(cur)
-        for seg in segs:
-            if len(seg) == 1:
-                cx, cy = seg[0].split(",")
-                out.append(f"<circle cx='{cx}' cy='{cy}' r='2' fill='{colour}'/>")
-            else:
-                out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' "
-                           f"points='{' '.join(seg)}'><title>{_esc(name)}</title></polyline>")
+        runs = _runs(xs, ys)
+        dots = [r[0] for r in runs if len(r) == 1]
+        if len(dots) > budget:  # thinned as one run: dots are not joined
+            dots = _thin(dots, sx, budget)
+        for x, y in dots:
+            out.append(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2.5' fill='{colour}'>"
+                       f"<title>{_esc(name)} at step {_esc(_step(x))}: {_esc(_fmt(y))}</title>"
+                       f"</circle>")
+        lines = [r for r in runs if len(r) > 1]
+        total = sum(len(r) for r in lines)
+        for run in lines:
+            pts = _thin(run, sx, max(2, budget * len(run) // max(1, total)))
+            out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' "
+                       f"data-from='{_esc(_step(run[0][0]))}' "
+                       f"data-to='{_esc(_step(run[-1][0]))}' points='"
+                       + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+                       + f"'><title>{_esc(name)}</title></polyline>")
+    sevs = []
+    for m in markers:
+        if str(m.get("severity")) not in sevs:
+            sevs.append(str(m.get("severity")))
+    for k, name in enumerate(legend + [f"finding: {v}" for v in sevs]):
         ly = top + 15 + 18 * k
+        colour = (_SERIES_COLOURS.get(name, "#333") if k < len(legend)
+                  else _SEVERITY_COLOURS.get(sevs[k - len(legend)], "#555"))
+        dash = "" if k < len(legend) else " stroke-dasharray='4 2'"
         out.append(f"<line x1='{left + pw + 10}' x2='{left + pw + 30}' y1='{ly}' y2='{ly}' "
-                   f"stroke='{colour}' stroke-width='3'/><text x='{left + pw + 35}' "
+                   f"stroke='{colour}' stroke-width='3'{dash}/><text x='{left + pw + 35}' "
                    f"y='{ly + 4}' font-size='12'>{_esc(name)}</text>")
     out.append("</svg>")
     return "".join(out)
@@ -281,27 +379,43 @@ def _timeline(findings: list, steps: list, width=820) -> str:
 
 # ---------------------------------------------------------------- sections
 
+def _by_step(findings: list) -> list:
+    """The findings in step order (those without a step last)."""
+    return sorted(findings, key=lambda f: (_num(f.get("step")) is None, _num(f.get("step")) or 0))
+
+
 def _findings_section(t: dict) -> str:
     findings, summary = t["findings"], t["summary"]
     parts = ["<h3>Findings</h3>"]
     if not findings:
         parts.append("<p class='note'>no findings</p>")
         return "".join(parts)
-    parts.append(_timeline(findings, t["steps"]))
+    ordered = _by_step(findings)
+    first = next((f for f in ordered if f.get("severity") == "error"), None)
+    if first is not None:
+        errors = sum(f.get("severity") == "error" for f in findings)
+        parts.append(f"<div class='first-error'><span class='what'>first error: "
+                     f"{_esc(first.get('kind'))} at step {_esc(first.get('step'))}"
+                     + (f", tensor {_esc(first['tensor'])}" if first.get("tensor") else "")
+                     + f"</span> ({errors} distinct error finding(s) in all)<br>"
+                     f"<span class='msg'>{_esc(first.get('message'))}</span></div>")
+    else:
+        parts.append(f"<p>no error findings; {len(findings)} finding(s) of lower severity</p>")
     counts = (summary or {}).get("findings") or {}
     rows = []
-    for f in sorted(findings, key=lambda f: (_num(f.get("step")) is None,
-                                             _num(f.get("step")) or 0)):
+    for f in ordered:
         sev = str(f.get("severity"))
         colour = _SEVERITY_COLOURS.get(sev, "#555")
+        tint = _SEVERITY_TINTS.get(sev, "#fff")
         n = counts.get(f.get("kind")) if isinstance(counts, dict) else None
-        rows.append(f"<tr><td>{_esc(f.get('step'))}</td><td class='sev' "
-                    f"style='color:{colour}'>{_esc(sev)}</td><td>{_esc(f.get('kind'))}</td>"
-                    f"<td>{_esc(f.get('tensor') or '')}</td><td>{_esc(n or '')}</td>"
-                    f"<td class='msg'>{_esc(f.get('message'))}</td></tr>")
+        rows.append(f"<tr style='background:{tint}'><td>{_esc(f.get('step'))}</td><td "
+                    f"class='sev' style='color:{colour}'>{_esc(sev)}</td>"
+                    f"<td>{_esc(f.get('kind'))}</td><td>{_esc(f.get('tensor') or '')}</td>"
+                    f"<td>{_esc(n or '')}</td><td class='msg'>{_esc(f.get('message'))}</td></tr>")
     parts.append("<table class='findings'><tr><th>step</th><th>severity</th><th>kind</th>"
                  "<th>tensor</th><th>kind total</th><th>message</th></tr>"
                  + "".join(rows) + "</table>")
+    parts.append(_timeline(findings, t["steps"]))
     return "".join(parts)
 
 
@@ -331,33 +445,62 @@ def _update_ratio(s: dict, name: str):
     return u / p if u is not None and p is not None else None
 
 
+def _glob(key: str, s: dict):
+    """A global figure of a step record, or None (a gap): null, not positive (log scale), or an
+    update figure of a step without update statistics."""
+    g = s.get("global") if isinstance(s.get("global"), dict) else {}
+    if key in ("update_norm", "update_ratio") and s.get("update_stats") is False:
+        return None
+    return _pos(g.get(key))
+
+
 def _metrics_section(t: dict) -> str:
     steps = [s for s in t["steps"] if _num(s.get("step")) is not None]
     if not steps:
         return ("<h3>Norms</h3><p class='note'>no step records in this trace (nothing was "
                 "recorded, or the run ended before its first step)</p>")
     xs = [_num(s["step"]) for s in steps]
+    placed = [f for f in _by_step(t["findings"]) if _num(f.get("step")) is not None]
+    every = xs + [_num(f["step"]) for f in placed]
+    domain = (min(every), max(every))
 
-    def glob(key, s):
-        g = s.get("global") if isinstance(s.get("global"), dict) else {}
-        if key in ("update_norm", "update_ratio") and s.get("update_stats") is False:
-            return None  # no update statistics at this step: a gap, not a zero
-        return _pos(g.get(key))
-
-    parts = ["<h3>Global norms</h3>",
-             _line_chart("global norms (log scale)", xs,
-                         {k: [glob(k, s) for s in steps]
-                          for k in ("grad_norm", "param_norm", "update_norm")}),
-             "<h3>Update ratio</h3>",
-             _line_chart("update ratio = update_norm / param_norm (log scale)", xs,
-                         {"update_ratio": [glob("update_ratio", s) for s in steps]})]
-    names = _tensor_names(steps)
-    parts.append("<h3>Per-layer gradient norm</h3>")
-    parts.append(_heat_map("gradient L2 norm per tensor (log colour scale)", steps, names,
+    parts = ["<h3>Loss</h3>"]
+    losses = [_num(s.get("loss")) for s in steps]
+    marked = ", findings marked at their steps" if placed else ""
+    if any(v is not None for v in losses):
+        log = all(v > 0 for v in losses if v is not None)
+        parts.append(_line_chart(f"training loss per step ({'log' if log else 'linear'} scale)"
+                                 + marked, xs, {"loss": losses}, log=log, domain=domain,
+                                 markers=placed))
+        placed, marked = [], ""
+    else:  # the findings are marked on the global norms instead
+        parts.append("<p class='note'>no loss in the step records (none was seen, or the trace "
+                     "predates the loss field)"
+                     + ("; the findings are marked on the global norms" if placed else "")
+                     + "</p>")
+    parts += ["<h3>Global norms</h3>",
+              _line_chart("global norms (log scale)" + marked, xs,
+                          {k: [_glob(k, s) for s in steps]
+                           for k in ("grad_norm", "param_norm", "update_norm")}, domain=domain,
+                          markers=placed),
+              "<h3>Update ratio</h3>",
+              _line_chart("update ratio = update_norm / param_norm (log scale)", xs,
+                          {"update_ratio": [_glob("update_ratio", s) for s in steps]},
+                          domain=domain)]
+    rows = [s for s in steps if has_rows(s)]
+    names = _tensor_names(rows)
+    where = ""
+    if rows:
+        shown = ", ".join(_step(_num(s["step"])) for s in rows[:12])
+        where = (f"<p class='note'>from the {len(rows)} of {len(steps)} step records with "
+                 f"per-tensor rows (steps {_esc(shown)}{' …' if len(rows) > 12 else ''}); the "
+                 "columns are those records in order, not to scale</p>")
+    parts.append("<h3>Per-layer gradient norm</h3>" + where)
+    parts.append(_heat_map("gradient L2 norm per tensor (log colour scale)", rows, names,
                            _grad_norm))
-    parts.append("<h3>Per-layer update ratio</h3>")
+    parts.append("<h3>Per-layer update ratio</h3>" + where)
     parts.append(_heat_map("update ratio update.l2 / param.l2 per tensor (log colour scale)",
-                           steps, names, _update_ratio))
+                           rows, names, _update_ratio))
     return "".join(parts)
 
 
@@ -387,13 +530,29 @@ def _trace_section(t: dict, index: int) -> str:
     header = t["header"] or {}
     done = (f"{t['summary'].get('steps')} steps" if t["summary"]
             else "no summary (ended early)")
+    rows = sum(has_rows(s) for s in t["steps"])
+    banners = ""
+    err = trace_error(t)
+    if err:
+        banners += (f"<div class='alert'>Trace incomplete: writing the trace failed during the "
+                    f"run ({_esc(err)}); the records after the failure are missing, so this page "
+                    f"shows only part of the run.</div>")
+    earlier = rotated_from(t)
+    if earlier:
+        banners += (f"<p class='rotated'>This trace continues <code>{_esc(earlier)}</code> "
+                    f"(rotation {_esc(header.get('rotated'))}, trace_max_mb): the steps before "
+                    "this file's first are there, not on this page.</p>")
+    if t["unmatched_rows"]:
+        banners += (f"<p class='note'>{len(t['unmatched_rows'])} late per-tensor record(s) "
+                    "belong to steps whose step record is not in this file.</p>")
     return (f"<section class='trace' id='trace-{index}'><h2>{_esc(name)}</h2>"
-            f"<p><code>{_esc(t['path'])}</code>: {len(t['steps'])} step records, "
-            f"{len(t['findings'])} distinct finding(s), {_esc(done)}"
+            f"<p><code>{_esc(t['path'])}</code>: {len(t['steps'])} step records ({rows} with "
+            f"per-tensor rows), {len(t['findings'])} distinct finding(s), {_esc(done)}"
             + (f", {len(t['amp'])} AMP-skipped steps" if t["amp"] else "") + "</p>"
-            "<h3>Provenance</h3>" + _kv_table(header, skip=("type",))
-            + _findings_section(t) + _metrics_section(t) + _coverage_section(t)
-            + "</section>")
+            + banners + _findings_section(t) + _metrics_section(t) + _coverage_section(t)
+            + "<details class='provenance'><summary><h3>Provenance</h3> (the header: versions, "
+            "options, environment)</summary>" + _kv_table(header, skip=("type",))
+            + "</details></section>")
 
 
 def render(paths: list) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 from typing import Iterator, Optional
@@ -57,18 +58,83 @@ def load_trace(path: str) -> dict:
     """The records of one trace, by type: ``path``, ``header`` (or None), ``steps``,
     ``findings``, ``summary`` (None: the run ended early), ``amp`` (the AMP-skip records),
     ``scaler`` (every gradient-scaler step), ``ranges`` (precision-headroom counts) and ``notes``
-    (what the sanitizer did about its own preconditions under warn/record)."""
+    (what the sanitizer did about its own preconditions under warn/record).
+
+    ``steps`` holds the step records only, in file order. A late per-tensor record
+    (``{"type":"tensors",...}``: the rows of an earlier step, written when a finding was made) is
+    merged into the step record of the same (optimizer, step), which then carries its ``tensors``
+    and ``rows``; a step record that already has rows keeps its own. ``late_rows`` counts the late
+    records merged, ``unmatched_rows`` lists the (optimizer, step) of those whose step record is
+    not in this file (after a rotation it is in ``<path>.1``). Every reader of step records goes
+    through this merge."""
     t = {"path": path, "header": None, "steps": [], "findings": [], "summary": None, "amp": [],
-         "scaler": [], "ranges": [], "notes": []}
+         "scaler": [], "ranges": [], "notes": [], "late_rows": 0, "unmatched_rows": []}
     lists = {"step": "steps", "finding": "findings", "amp_skip": "amp", "scaler": "scaler",
              "range": "ranges", "note": "notes"}
+    late = []
     for rec in read_trace(path):
         kind = rec["type"]
         if kind in ("header", "summary"):
             t[kind] = rec
         elif kind in lists:
             t[lists[kind]].append(rec)
+        elif kind == "tensors":
+            late.append(rec)
+    # Merged after the whole file is read, so that the order of the two records does not matter.
+    by_key = {}
+    for s in t["steps"]:
+        by_key.setdefault((s.get("optimizer"), s.get("step")), s)
+    for rec in late:
+        s = by_key.get((rec.get("optimizer"), rec.get("step")))
+        if s is None:
+            t["unmatched_rows"].append((rec.get("optimizer"), rec.get("step")))
+            continue
+        if not s.get("tensors") and rec.get("tensors"):
+            t["late_rows"] += 1
+            s["tensors"] = rec["tensors"]
+            s["rows"] = rec.get("rows", "before_finding")
     return t
+
+
+def has_rows(step: dict) -> bool:
+    """Whether a (merged) step record carries per-tensor rows."""
+    return bool(step.get("tensors"))
+
+
+def rotated_from(t: dict) -> Optional[str]:
+    """The file an earlier part of a rotated trace is in (``<path>.1``), or None: the trace's
+    header is not that of a rotation."""
+    header = t["header"] or {}
+    return f"{t['path']}.1" if header.get("rotated") else None
+
+
+def trace_error(t: dict) -> Optional[str]:
+    """The summary's ``coverage.trace_error``: why writing the trace failed mid-run, or None."""
+    cov = (t["summary"] or {}).get("coverage")
+    err = cov.get("trace_error") if isinstance(cov, dict) else None
+    return str(err) if err else None
+
+
+def _rows_line(t: dict) -> str:
+    """How many step records of a loaded trace carry per-tensor rows, and why, in words."""
+    steps = t["steps"]
+    with_rows = [s for s in steps if has_rows(s)]
+    out = f"{len(with_rows)} of {len(steps)} step records with per-tensor rows"
+    why: dict = {}
+    for s in with_rows:
+        why[s.get("rows")] = why.get(s.get("rows"), 0) + 1
+    if any(w is not None for w in why):
+        out += " (" + ", ".join(f"{n} {w or 'unmarked'}" for w, n in why.items()) + ")"
+    if t["late_rows"]:
+        out += f"; {t['late_rows']} late per-tensor record(s) merged into their steps"
+    if t["unmatched_rows"]:
+        out += (f"; {len(t['unmatched_rows'])} late per-tensor record(s) of steps not in this "
+                "file")
+    cov = (t["summary"] or {}).get("coverage")
+    n = cov.get("trace_rows_steps") if isinstance(cov, dict) else None
+    if n is not None and n != len(with_rows):
+        out += f"; the summary counts {n} over the whole run"
+    return out
 
 
 def _rank_line(t: dict) -> tuple:
@@ -96,25 +162,39 @@ def _divergence(traces: list) -> list:
     by_step = []
     for t in traces:
         by_step.append({(r.get("optimizer"), r["step"]): {
-            n: v["param"].get("hash") for n, v in (r.get("tensors") or {}).items()
-            if v.get("param", {}).get("hash") not in (None, "0")} for r in t["steps"]})
+            n: _part(v, "param").get("hash") for n, v in (r.get("tensors") or {}).items()
+            if _part(v, "param").get("hash") not in (None, "0")} for r in t["steps"]})
     common = sorted(set.intersection(*(set(b) for b in by_step)), key=lambda k: (k[1], k[0] or 0))
-    replicas = None
+    replicas, last = None, None
     for key in common:
         rows = [b[key] for b in by_step]
         names = set.intersection(*(set(r) for r in rows))
-        if not names:
+        if not names:  # a step without per-tensor rows (or without parameter fingerprints)
             continue
         if replicas is None:  # the first traced step: the tensors all ranks hold alike
             replicas = {n for n in names if len({r[n] for r in rows}) == 1}
+            last = key
             continue
         bad = sorted(n for n in names & replicas if len({r[n] for r in rows}) > 1)
         if bad:
             who = ", ".join(f"rank{k}" for k, r in enumerate(rows) if r[bad[0]] != rows[0][bad[0]])
+            # Per-tensor rows are written on some steps only: say so where steps between the
+            # last step compared and this one had no fingerprints (it may have begun there).
+            unseen = any(last[1] < k[1] < key[1] for k in common)
             lines.append(f"  fingerprints first differ at step {key[1]}: {', '.join(bad[:4])}"
-                         f"{' …' if len(bad) > 4 else ''} ({who} differ from rank0's trace)")
+                         f"{' …' if len(bad) > 4 else ''} ({who} differ from rank0's trace)"
+                         + (f"; no step between step {last[1]} (where they agreed) and this one "
+                            "has parameter fingerprints in per-tensor rows" if unseen else ""))
             break
+        last = key
     return lines
+
+
+def _part(row, part: str) -> dict:
+    """One part ("param", "grad", "update") of a per-tensor row; {} where it is absent or null
+    (values measured less often are null on some steps)."""
+    v = row.get(part) if isinstance(row, dict) else None
+    return v if isinstance(v, dict) else {}
 
 
 def report_many(paths: list, png: Optional[str] = None) -> str:
@@ -149,6 +229,18 @@ def _report_text(t: dict, png: Optional[str]) -> str:
         t["path"], t["header"], t["steps"], t["findings"], t["summary"])
     amp = len(t["amp"])
     lines = [f"trace {path}"]
+    err = trace_error(t)
+    if err:
+        lines.append(f"  TRACE INCOMPLETE: writing the trace failed during the run ({err}); the "
+                     "records after the failure are missing, so what follows is partial")
+    earlier = rotated_from(t)
+    if earlier:
+        k = (header or {}).get("rotated")
+        lines.append(f"  this trace continues {earlier} (rotation {k}, trace_max_mb): the steps "
+                     f"before this file's first are there"
+                     + ("" if os.path.isfile(earlier) else ", which does not exist")
+                     + ("; older parts were replaced by later rotations" if isinstance(k, int)
+                        and not isinstance(k, bool) and k > 1 else ""))
     if header:
         lines.append(
             f"  trainsan {header.get('trainsan')}, torch {header.get('torch')}, "
@@ -161,14 +253,19 @@ def _report_text(t: dict, png: Optional[str]) -> str:
         + (f", {amp} AMP-skipped steps" if amp else "")
     )
     if steps:
+        lines.append("  " + _rows_line(t))
         oh = [s.get("overhead_ms") or 0.0 for s in steps]
-        gn = [s["global"].get("grad_norm") for s in steps if s["global"].get("grad_norm")]
+        gn = [g for g in (_global(s).get("grad_norm") for s in steps) if g]
+        losses = [s["loss"] for s in steps if _finite(s.get("loss"))]
         lines.append(
             f"  sanitizer overhead: {sum(oh) / len(oh):.3f} ms per recorded step (max {max(oh):.3f})"
         )
         if gn:
             lines.append(f"  global grad norm: first {gn[0]:.4g}, last {gn[-1]:.4g}, "
                          f"max {max(gn):.4g}")
+        if losses:
+            lines.append(f"  loss: first {losses[0]:.4g}, last {losses[-1]:.4g}, "
+                         f"min {min(losses):.4g} ({len(losses)} step records with a loss)")
     if t["scaler"]:
         lines.append("  " + _scaler_line(t["scaler"]))
     if t["ranges"]:
@@ -187,6 +284,15 @@ def _report_text(t: dict, png: Optional[str]) -> str:
         _plot(steps, png, t["scaler"])
         lines.append(f"  plot written to {png}")
     return "\n".join(lines)
+
+
+def _global(s: dict) -> dict:
+    g = s.get("global")
+    return g if isinstance(g, dict) else {}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _scaler_line(recs: list) -> str:
@@ -297,8 +403,16 @@ def _plot(steps: list, png: str, scaler: Optional[list] = None) -> None:
                              sharex=True, squeeze=False)
     ax = axes[0][0]
     for key in ("grad_norm", "param_norm", "update_norm"):
-        ys = [s["global"].get(key) for s in steps]
-        ax.plot(xs, [float("nan") if y is None else y for y in ys], label=key)
+        ys = [_plotted(s, key) for s in steps]
+        # NaN breaks the line at a step without the value (update statistics are measured on
+        # some steps only, parameter norms may be null); a point with no measured neighbour is
+        # drawn as a marker, since a line of one point does not show.
+        (line,) = ax.plot(xs, ys, label=key)
+        alone = [i for i, y in enumerate(ys) if y == y and (i == 0 or ys[i - 1] != ys[i - 1])
+                 and (i == len(ys) - 1 or ys[i + 1] != ys[i + 1])]
+        if alone:
+            ax.plot([xs[i] for i in alone], [ys[i] for i in alone], ".",
+                    color=line.get_color())
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.legend()
@@ -316,6 +430,15 @@ def _plot(steps: list, png: str, scaler: Optional[list] = None) -> None:
     fig.savefig(png)
 
 
+def _plotted(s: dict, key: str) -> float:
+    """A global figure of a step record for a log-scale plot: NaN (a gap) where it was not
+    measured (null, or update statistics off at that step) or is not positive."""
+    if key in ("update_norm", "update_ratio") and s.get("update_stats") is False:
+        return float("nan")
+    v = _global(s).get(key)
+    return float(v) if _finite(v) and v > 0 else float("nan")
+
+
 def diff_runs(path_a: str, path_b: str) -> str:
     """diff of two runs, each one trace or one per rank (rank_traces): rank by rank."""
     a, b = rank_traces(path_a), rank_traces(path_b)
@@ -328,56 +451,141 @@ def diff_runs(path_a: str, path_b: str) -> str:
 
 
 def diff(path_a: str, path_b: str) -> str:
-    """The first step and tensor where two runs' traces differ (by fingerprint)."""
-    def steps(path):
-        return {r["step"]: r for r in read_trace(path) if r["type"] == "step"}
-
-    a, b = steps(path_a), steps(path_b)
-    common = sorted(set(a) & set(b))
+    """The first step and tensor where two runs' traces differ (by fingerprint). Where both
+    traces have per-tensor rows at a step, the tensors' fingerprints are compared; elsewhere the
+    step's global figures (its gradient-statistics ``digest`` first, where both have one). A
+    difference found in the global figures only is named by step, and the first tensor that
+    differs at a later step with rows in both traces is named as seen there."""
+    ta, tb = load_trace(path_a), load_trace(path_b)
+    a, b = _by_key(ta["steps"]), _by_key(tb["steps"])
+    common = sorted(set(a) & set(b), key=lambda k: (k[1], k[0] or 0))
     if not common:
-        return "no step recorded in both traces"
+        return "no step recorded in both traces" + _caveats(ta, tb)
     numerics = _numeric_divergence(a, b, common)
     # Data or numerics: the first step whose inputs' fingerprints differ, against the first
     # numeric divergence (a step's tensors reflect its own inputs: a data difference at or
     # before it explains it).
-    with_inputs = [st for st in common if "inputs" in a[st] and "inputs" in b[st]]
+    with_inputs = [k for k in common if "inputs" in a[k] and "inputs" in b[k]]
 
-    def data_differs(st) -> str:
+    def data_differs(k) -> str:
         for key, what in (("inputs", "training inputs"), ("targets", "targets")):
-            if key in a[st] and key in b[st] and a[st][key] != b[st][key]:
-                return f"the {what} differ (fingerprint {a[st][key]} vs {b[st][key]})"
+            if key in a[k] and key in b[k] and a[k][key] != b[k][key]:
+                return f"the {what} differ (fingerprint {a[k][key]} vs {b[k][key]})"
         return ""
 
-    data = next((st for st in with_inputs if data_differs(st)), None)
-    if data is not None and (numerics is None or data <= numerics[0]):
-        return (f"runs first differ in their data at step {data}: {data_differs(data)} — "
+    data = next((k for k in with_inputs if data_differs(k)), None)
+    if data is not None and (numerics is None or data[1] <= numerics[0]):
+        return (f"runs first differ in their data at step {data[1]}: {data_differs(data)} — "
                 "data order, "
                 "content or augmentation (seed the loader and its workers, restore the "
                 "sampler's state)" + (f"; numerics follow from step {numerics[0]}: "
-                                      f"{numerics[1]}" if numerics else ""))
+                                      f"{numerics[1]}" if numerics else "")
+                + _caveats(ta, tb))
     if numerics is None:
-        return f"no difference in {len(common)} common steps (steps {common[0]}..{common[-1]})"
+        steps = sorted({k[1] for k in common})
+        return (f"no difference in {len(steps)} common steps (steps {steps[0]}..{steps[-1]})"
+                + _caveats(ta, tb))
     same = (f"; the inputs agree through step {numerics[0]}: the numerics differ, not the data"
-            if any(st <= numerics[0] for st in with_inputs) else "")
-    return f"runs diverge at step {numerics[0]}: {numerics[1]}{same}"
+            if any(k[1] <= numerics[0] for k in with_inputs) else "")
+    return f"runs diverge at step {numerics[0]}: {numerics[1]}{same}" + _caveats(ta, tb)
+
+
+def _by_key(steps: list) -> dict:
+    """(optimizer, step) -> the step record (the first of a repeated key, as load_trace merges)."""
+    out: dict = {}
+    for s in steps:
+        if s.get("step") is not None:
+            out.setdefault((s.get("optimizer"), s["step"]), s)
+    return out
+
+
+def _caveats(*traces: dict) -> str:
+    """What limits a comparison of these traces: a rotated trace (its earlier steps are in
+    another file, not compared) or a trace whose writing failed mid-run."""
+    out = []
+    for t in traces:
+        name = os.path.basename(t["path"])
+        if rotated_from(t):
+            out.append(f"{name} continues {os.path.basename(rotated_from(t))}: its earlier steps "
+                       "are not compared")
+        if trace_error(t):
+            out.append(f"writing {name} failed during the run ({trace_error(t)}): its later "
+                       "steps are missing")
+    return "".join(f" (note: {x})" for x in out)
+
+
+_UPDATE_KEYS = ("update_norm", "update_ratio", "changed")
+
+
+def _global_difference(sa: dict, sb: dict) -> str:
+    """How two step records' global figures differ ("" where they agree): the digest of the
+    gradient statistics first, where both have one, then the figures both records hold (update
+    figures only where both measured update statistics)."""
+    ga, gb = _global(sa), _global(sb)
+    da, db = ga.get("digest"), gb.get("digest")
+    if da is not None and db is not None and da != db:
+        return f"the gradient statistics differ (digest {da} vs {db})"
+    no_update = sa.get("update_stats") is False or sb.get("update_stats") is False
+    keys = [k for k in ga if k in gb and k != "digest" and ga[k] != gb[k]
+            and not (no_update and k in _UPDATE_KEYS)]
+    if not keys:
+        return ""
+    shown = ", ".join(f"{k} {ga[k]} vs {gb[k]}" for k in keys[:3])
+    return f"global statistics differ ({shown}{', …' if len(keys) > 3 else ''})"
+
+
+def _tensor_difference(ta: dict, tb: dict) -> str:
+    """The first tensor (by name) whose fingerprint differs between two steps' per-tensor rows,
+    in words; "" where none does. A parameter fingerprint is compared where both rows hold one
+    (parameter statistics are measured on some steps only)."""
+    for name in sorted(set(ta) | set(tb)):
+        if name not in ta or name not in tb:
+            return f"tensor {name} is in only one trace"
+        for part in ("grad", "param"):
+            ha, hb = _part(ta[name], part).get("hash"), _part(tb[name], part).get("hash")
+            if part == "param" and (ha is None or hb is None):
+                continue
+            if ha != hb:
+                return f"{name}{'.grad' if part == 'grad' else ''} differs (hash {ha} vs {hb})"
+    return ""
 
 
 def _numeric_divergence(a: dict, b: dict, common: list) -> Optional[tuple]:
-    """(step, what) of the first tensor whose fingerprint differs; None when none does."""
-    for st in common:
-        ta, tb = a[st].get("tensors", {}), b[st].get("tensors", {})
-        if not ta or not tb:
-            if a[st]["global"] != b[st]["global"]:
-                return st, ("global statistics differ (trace per-tensor statistics with "
-                            "trace_tensors='all' to name the tensor)")
-            continue
-        for name in sorted(set(ta) | set(tb)):
-            if name not in ta or name not in tb:
-                return st, f"tensor {name} is in only one trace"
-            for part in ("grad", "param"):
-                ha = ta[name].get(part, {}).get("hash")
-                hb = tb[name].get(part, {}).get("hash")
-                if ha != hb:
-                    return st, (f"{name}{'.grad' if part == 'grad' else ''} differs (hash {ha} "
-                                f"vs {hb})")
+    """(step, what) of the first common step whose statistics differ; None when none does.
+
+    At a step with per-tensor rows in both traces, what names the first tensor whose fingerprint
+    differs. At other steps (per-tensor rows are written on some steps only) the global figures
+    are compared, and what then adds the first tensor that differs at a later step with rows in
+    both traces, said to be seen there: it may have begun differing at an earlier step."""
+    for i, key in enumerate(common):
+        sa, sb = a[key], b[key]
+        rows = has_rows(sa) and has_rows(sb)
+        if rows:
+            what = _tensor_difference(sa["tensors"], sb["tensors"])
+            if what:
+                return key[1], what
+        what = _global_difference(sa, sb)
+        if what:
+            if rows:  # the rows agree: the difference is in tensors they do not hold
+                what += " in tensors outside this step's per-tensor rows"
+            return key[1], what + _later_tensor(a, b, common[i + 1:])
     return None
+
+
+def _later_tensor(a: dict, b: dict, later: list) -> str:
+    """The words naming the first tensor that differs at a later common step with per-tensor
+    rows in both traces, or saying that none could be named."""
+    compared = 0
+    for key in later:
+        if has_rows(a[key]) and has_rows(b[key]):
+            compared += 1
+            what = _tensor_difference(a[key]["tensors"], b[key]["tensors"])
+            if what:
+                return (f"; first differing tensor seen at step {key[1]}: {what} (the first later "
+                        "step with per-tensor rows in both traces where a tensor differs; it may "
+                        "have begun differing earlier, at steps without rows)")
+    if compared:
+        return (f"; the per-tensor rows of the {compared} later step(s) that have them in both "
+                "traces agree, so no tensor can be named")
+    return ("; no later step has per-tensor rows in both traces to name the tensor (see the "
+            "options trace_rows_every and trace_tensors)")

@@ -82,9 +82,13 @@ def _page(tmp_path, *paths):
 def test_page_sections_and_self_contained(traces, tmp_path):
     out, page = _page(tmp_path, traces["good"])
     assert page.startswith("<!DOCTYPE html>")
-    for h in ("Provenance", "Findings", "Global norms", "Update ratio",
-              "Per-layer gradient norm", "Per-layer update ratio", "Coverage"):
-        assert f"<h3>{h}</h3>" in page
+    order = ("Findings", "Loss", "Global norms", "Update ratio", "Per-layer gradient norm",
+             "Per-layer update ratio", "Coverage", "Provenance")
+    at = [page.find(f"<h3>{h}</h3>") for h in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at))  # what went wrong first
+    # The provenance (options, packages) is folded at the end, closed.
+    assert "<details class='provenance'><summary><h3>Provenance</h3>" in page
+    assert "<details class='provenance' open" not in page
     assert page.count("<svg") >= 4  # norms, ratio, two heat maps
     assert "class='heatmap'" in page and "0.weight" in page and "2.bias" in page
     assert "steps_checked" in page and "torch" in page and "git_commit" in page
@@ -97,6 +101,7 @@ def test_escaping_nonfinite_and_missing_summary(traces, tmp_path):
     assert "<script>alert" not in page
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &quot;quoted&quot;" in page
     assert "class='timeline'" in page
+    assert "first error: nonfinite_grad at step 2, tensor 0.weight" in page
     assert "no summary record: the run ended early" in page
     assert "NaN" not in page.replace("nonfinite", "") and "inf'" not in page
 
@@ -193,6 +198,11 @@ def test_page_renders_in_headless_chromium(traces, tmp_path):
             assert page.locator("svg.heatmap rect").count() > 50
             assert page.locator("svg.chart polyline").count() >= 4
             assert "<script>alert" in page.inner_text("table.findings")  # shown as text
+            # The findings come before the first chart; the provenance is folded.
+            bad = page.locator("section#trace-1")
+            first = bad.locator("table.findings").bounding_box()
+            assert first["y"] < bad.locator("svg.chart").first.bounding_box()["y"]
+            assert not page.locator("details.provenance table").first.is_visible()
             shot = tmp_path / "report.png"
             data = page.screenshot(path=str(shot), full_page=True)
         finally:
