@@ -10,6 +10,10 @@
 #   dev-stop   bench/gpu_step_tier.py --phase stop (device_stop=True: a NaN gradient stops it)
 #   step-tier  bench/gpu_step_tier.py --phase tier (the every-step tier: step-time ratio, launches
 #              and syncs per step, the pass against torch._foreach_norm)
+#   mem-gpu    bench/bench_overhead.py --device cuda --memory --no-timing (issue 35: a fresh process
+#              per contender; torch.cuda.max_memory_allocated above plain on the 67M MLP with Adam,
+#              bar <= 2 % of the weights; the trace's bytes per step on the 146-tensor stack between
+#              steps 300 and 600, bar <= 1 KiB)
 #   pytest     tests/python against the built library (TRAINSAN_LIBRARY, PYTHONPATH=bindings)
 #   stacks-gpu bench/gpu_stacks.py (DDP over single-rank NCCL, FSDP2 world size 1, inductor)
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
@@ -33,7 +37,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -198,6 +202,18 @@ else
     "$PY" "$ROOT/bench/gpu_step_tier.py" --phase tier --json "$LOG_DIR/gpu_step_tier.json"
 fi
 
+# --- memory at scale (issue 35) -----------------------------------------------------------------
+if ((!BUILT)); then
+  skip_phase mem-gpu "build failed"
+else
+  # Six fresh processes (plain, trainsan, trainsan-trace on mlp67m and stack), 600 steps each.
+  run_phase mem-gpu 120 "$(gpu_note "CUDA peak above plain (mlp67m), trace bytes/step (stack)")" \
+    env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "$ROOT/bench/bench_overhead.py" --device cuda --memory --no-timing \
+    --models mlp67m,stack --memory-contenders plain,trainsan,trainsan-trace --memory-steps 600 \
+    --json "$LOG_DIR/mem_gpu.json"
+fi
+
 if ((!BUILT)); then
   skip_phase pytest "build failed"
 else
@@ -275,6 +291,12 @@ if [[ -s "$LOG_DIR/step-tier.log" ]]; then
   echo
   echo "step tier:"
   grep -E '^(step tier|model|mlp|transformer|  \+trainsan|target)' "$LOG_DIR/step-tier.log"
+fi
+if [[ -s "$LOG_DIR/mem-gpu.log" ]]; then
+  echo
+  echo "memory (issue 35):"
+  grep -E '^(model |mlp67m |stack |  +(plain|import|trainsan)|goal |memory |import )' \
+    "$LOG_DIR/mem-gpu.log"
 fi
 if [[ -s "$LOG_DIR/dev-stop.log" ]]; then
   echo
