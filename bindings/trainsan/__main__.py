@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("trace", nargs="+", help="trace file(s); run.jsonl also finds the per-rank "
                      "traces run.rankN.jsonl of a distributed run")
     rep.add_argument("--png", help="also plot the global norms to this PNG (needs matplotlib)")
-    rep.add_argument("--html", help="also write a self-contained HTML report (provenance, "
-                     "findings timeline, norms, per-layer heat maps, coverage) to this file")
+    rep.add_argument("--html", help="also write a self-contained HTML report (findings, the "
+                     "loss with the findings marked, norms, per-layer heat maps, coverage, "
+                     "provenance) to this file")
     pre = sub.add_parser("precision", help="precision headroom: which tensors of a trace fit "
                          "float16, bfloat16, FP8 E4M3/E5M2")
     pre.add_argument("trace")
