@@ -157,7 +157,9 @@ struct SanitizerImpl {
   /// A parameter's update statistics read from its sample: scaled to the whole tensor, and exact
   /// where the fingerprints say the step changed nothing; `now` is its row of this pass (the
   /// fingerprint is then that of its new snapshot).
-  void sampled_update(size_t i, const TensorStats& now, std::optional<UpdateStats>& update);
+  void sampled_update(size_t i, const TensorStats& now, const std::optional<TensorStats>& grad,
+                      std::optional<UpdateStats>& update);
+  static constexpr int64_t kUnseenSparse = 8;
   // ||theta|| of each parameter as of its previous pass (at attach before the first): the
   // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
   std::vector<double> prev_param_l2;

@@ -525,20 +525,30 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
 //     rows, is never "unchanged"). The largest move of a step, which bounds the predicted move of
 //     an unchanged tensor, is the sample's: at most the exact one, so the rule can only become
 //     more cautious (it needs the predicted move above 4 ulp of the weights, which real learning
-//     rates exceed by orders of magnitude);
+//     rates exceed by orders of magnitude); `unseen` tensors (whose max is unknown) are left out
+//     of that largest move and of the learning rate it estimates when a group has none;
 //   - update_ratio reads ||dtheta|| / ||theta||, judged against a band of orders of magnitude
 //     ([1e-8, 1]) for update_ratio_steps steps in a row: a 1-2% error cannot move a verdict
-//     except at the band's edge. Where some tensor's change was unseen by its sample the ratio is
-//     a lower bound, and the low end of the band is not judged on that step;
+//     except at the band's edge. A tensor that changed while none of its sampled elements did
+//     is one of two cases, told apart by its gradient's nonzero elements nz (exact, from the
+//     gradient's row): with nz below 8 strides (fewer than 8 sampled elements expected to have a
+//     gradient: embedding rows under SGD) the change is sparse and its size unknown (`unseen`),
+//     the ratio is a lower bound and the low end of the band is not judged on that step; with a
+//     denser gradient the step left almost all of those elements unchanged — updates rounded
+//     away, a learning rate far too low — and the estimate (0) stands, so that bug is found;
 //   - update_underflow reads the fraction of elements with a nonzero gradient that the step left
 //     unchanged, against update_underflow_fraction (0.5), for update_underflow_steps (3) measured
-//     steps in a row: an error of ~1% on the fraction (the rule's cases — bf16 weights under a
-//     small learning rate — leave 90-100% unchanged);
+//     steps in a row: judged on a sampled tensor only when its nonzero gradient elements are at
+//     least 64 strides (>= 64 of them expected in the sample, a standard error of at most ~6% on
+//     the fraction; the rule's cases — bf16 weights under a small learning rate, dense gradients
+//     — leave 90-100% unchanged); a sparser gradient (a bf16 embedding's few rows) is not judged
+//     from the sample (the exact copy judges it);
 //   - update_outside_step compares each parameter's fingerprint at the step's begin with the one
 //     at the previous step's end (check_updates_outside_step): exact, as the copy was;
 //   - the trace's per-tensor update rows carry the estimates (docs/trace.md says which fields).
 // exact_updates keeps the full copy (exact per-element figures, the parameters' size in memory).
 void SanitizerImpl::sampled_update(size_t i, const TensorStats& now,
+                                   const std::optional<TensorStats>& grad,
                                    std::optional<UpdateStats>& update) {
   if (i >= snapshot_hash.size()) return;
   std::optional<uint64_t>& before = snapshot_hash[i];
@@ -549,6 +559,7 @@ void SanitizerImpl::sampled_update(size_t i, const TensorStats& now,
       const double scale =
           static_cast<double>(n) / static_cast<double>(kn::num_samples_of(n, stride));
       update->sampled = true;
+      update->stride = stride;
       update->changed =
           std::min<int64_t>(n, std::llround(static_cast<double>(update->changed) * scale));
       update->l2 *= std::sqrt(scale);
@@ -557,9 +568,16 @@ void SanitizerImpl::sampled_update(size_t i, const TensorStats& now,
       const bool sampled = update->sampled;
       *update = UpdateStats{};
       update->sampled = sampled;
+      update->stride = stride;
     } else if (before && update->changed == 0) {
+      // Changed, though no sampled element did. Explained by a sparse gradient (fewer than
+      // kUnseenSparse sampled elements expected to have one: embedding rows, a masked loss),
+      // ||dtheta|| is unknown (a lower bound); with a dense gradient the step changed a few of
+      // its elements at most — updates rounded away, the estimate 0 stands (a learning rate far
+      // too low is exactly this).
       update->changed = 1;
-      update->unseen = true;
+      const int64_t nz = grad ? grad->numel - grad->zero : -1;
+      update->unseen = nz < 0 || nz < kUnseenSparse * stride;
     }
   }
   before = now.hash;
@@ -600,7 +618,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
       const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
       pv.param = pr.stats;
       pv.update = pr.update;
-      if (p.with_snapshot && !opts.exact_updates) sampled_update(i, pr.stats, pv.update);
+      if (p.with_snapshot && !opts.exact_updates) sampled_update(i, pr.stats, pv.grad, pv.update);
       param_stats[i] = pr.stats;
       prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
     } else {  // Note [Every-step tier]: the latest measurement, not this step's
@@ -673,6 +691,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.opt = p.opt;
     rec.lr_zero = p.lr_zero;
     rec.update_stats = v.totals.any_update;
+    rec.params_read = p.with_params;
     flush_clock();  // Note [Own time]
     rec.overhead_s = step_overhead_s;
     rec.backwards = p.backwards;

@@ -330,7 +330,7 @@ void TraceWriter::step(StepRecord r) {
   if (r.targets) os << ",\"targets\":\"" << std::hex << *r.targets << std::dec << "\"";
   if (r.loss) os << ",\"loss\":" << json_number(*r.loss);
   os << ",\"global\":{\"grad_norm\":" << json_number(t.grad_norm)
-     << ",\"param_norm\":" << json_number(t.param_norm)
+     << ",\"param_norm\":" << (r.params_read ? json_number(t.param_norm) : "null")
      << ",\"update_norm\":" << (r.update_stats ? json_number(t.update_norm) : "null")
      << ",\"update_ratio\":" << (r.update_stats ? json_number(t.update_ratio) : "null")
      << ",\"changed\":" << (r.update_stats ? std::to_string(t.changed) : "null")

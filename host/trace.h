@@ -34,6 +34,7 @@ struct StepRecord {
   int64_t opt = -1;
   bool lr_zero = false;
   bool update_stats = false;  // the step had update statistics (Note [Overhead budget])
+  bool params_read = true;    // its pass read the parameters (Note [Every-step tier])
   double overhead_s = 0.0;
   int64_t backwards = -1;           // Note [Accumulation windows]; -1: not counted (manual mode)
   std::optional<uint64_t> inputs;   // fingerprint of the step's first training inputs

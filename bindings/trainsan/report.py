@@ -526,7 +526,10 @@ def _global_difference(sa: dict, sb: dict) -> str:
     if da is not None and db is not None and da != db:
         return f"the gradient statistics differ (digest {da} vs {db})"
     no_update = sa.get("update_stats") is False or sb.get("update_stats") is False
+    # A figure not measured at a step (null: the parameters are read on sampled steps only) is
+    # not compared there.
     keys = [k for k in ga if k in gb and k != "digest" and ga[k] != gb[k]
+            and ga[k] is not None and gb[k] is not None
             and not (no_update and k in _UPDATE_KEYS)]
     if not keys:
         return ""

@@ -59,6 +59,7 @@ struct UpdateStats {
   /// Note [Update statistics without a snapshot] (sanitizer_pass.cpp): changed and l2 estimated
   /// from the tensor's sample, max the largest of the sample; changed == 0 stays exact.
   bool sampled = false;
+  int64_t stride = 1;  ///< of the sample: one element in `stride` (Note [Update sample])
   /// The tensor changed (its fingerprint moved) but none of its sampled elements did: l2 and max
   /// are unknown (0 here), changed is a lower bound.
   bool unseen = false;

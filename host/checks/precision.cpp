@@ -368,6 +368,9 @@ void PrecisionCheck::on_step(const StepView& v) {
       run = 0;
       continue;
     }
+    // Note [Update statistics without a snapshot]: from a sample, only a gradient dense enough
+    // that the sample holds >= 64 of its nonzero elements (the run is neither advanced nor reset).
+    if (p.update->sampled && nz < 64 * p.update->stride) continue;
     const int64_t lost = std::max<int64_t>(0, nz - p.update->changed);
     const double frac = static_cast<double>(lost) / static_cast<double>(nz);
     if (frac < opts_.update_underflow_fraction) {

@@ -20,6 +20,16 @@ import trainsan
 from trainsan.report import diff, load_trace
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Hundreds of tiny steps: one torch thread, so that a loaded machine (CTest runs two suites
+    at once on two cores) does not make every parallel region wait for a descheduled thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -124,6 +134,78 @@ def test_a_tensor_the_step_skips_is_found_exactly_and_sparse_updates_are_not():
         assert upd.numel - upd.zero >= 1  # changed, whatever the sample saw
     kinds = {f.kind for f in san.findings}
     assert "skipped_step" not in kinds and "update_ratio" not in kinds, san.findings
+
+
+def _wide_mlp_run(opt_factory, steps=12, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 6000), nn.ReLU(), nn.Linear(6000, 1))
+    opt = opt_factory(model.parameters())
+    with trainsan.attach(model, opt, policy="record", **kw) as san:
+        for _ in range(steps):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(16, 32)), torch.randn(16, 1)).backward()
+            opt.step()
+    return san.findings
+
+
+class _EmbLM(nn.Module):
+    def __init__(self, vocab=50_000, dim=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, 8)
+        nn.init.normal_(self.emb.weight, std=0.02)
+
+    def forward(self, t):
+        return self.head(self.emb(t).mean(1))
+
+
+def _emb_run(opt_factory, tokens=4, dtype=torch.float32, steps=12, seed=0):
+    torch.manual_seed(seed)
+    model = _EmbLM().to(dtype)
+    opt = opt_factory(model.parameters())
+    g = torch.Generator().manual_seed(seed + 1)
+    with trainsan.attach(model, opt, policy="record") as san:
+        for _ in range(steps):
+            t = torch.randint(0, 50_000, (2, tokens // 2), generator=g)
+            y = torch.randint(0, 8, (2,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(t), y).backward()
+            opt.step()
+    return san.findings
+
+
+def test_a_learning_rate_that_rounds_every_update_away_is_found_from_the_sample():
+    """SGD at 1e-10 on 192k-element weights: only a few near-zero weights change a step, which
+    no sampled element sees; the gradient is dense, so the update ratio's estimate (~0) is judged
+    (and found, as with the exact copy)."""
+    for exact in (True, False):
+        found = _wide_mlp_run(lambda p: torch.optim.SGD(p, lr=1e-10), exact_updates=exact)
+        assert "update_ratio" in {f.kind for f in found}, (exact, found)
+
+
+def test_sparse_updates_are_not_judged_from_a_sample_that_cannot_see_them():
+    """A bf16 embedding under SGD whose few rows do change: no update_underflow from the sample
+    (4 of 5 seeds reported one before the gradient's density was required); and a step without a
+    learning rate that skips a tensor is found at once although the embedding's change is unseen."""
+    for seed in range(3):
+        found = _emb_run(lambda p: torch.optim.SGD(p, lr=1.0), dtype=torch.bfloat16, seed=seed)
+        assert "update_underflow" not in {f.kind for f in found}, (seed, found)
+
+    class NoLr(torch.optim.Optimizer):  # no "lr" in its groups; skips 1-d tensors
+        def __init__(self, params, step_size):
+            super().__init__(params, {"step_size": step_size})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.dim() > 1:
+                        p.add_(p.grad, alpha=-group["step_size"])
+
+    for seed in range(3):
+        found = _emb_run(lambda p: NoLr(p, 0.5), steps=4, seed=seed)
+        hit = [f for f in found if f.kind == "skipped_step" and f.tensor == "head.bias"]
+        assert hit and hit[0].step == 0, (seed, found)
 
 
 def test_update_outside_step_from_fingerprints():
