@@ -62,6 +62,9 @@ if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
   has lightning || need_test+=("lightning==2.6.6" "pytorch-lightning==2.6.6" "torchmetrics==1.9.0")
   # tests/python/test_tensorboard.py (python -m trainsan tensorboard); no torch requirement.
   has tensorboard || need_test+=("tensorboard==2.20.0")
+  # `report --png` (tests/python/test_bounded_trace.py's plot of a bounded trace); no torch
+  # requirement.
+  has matplotlib || need_test+=("matplotlib==3.10.8")
   if [ ${#need_test[@]} -gt 0 ]; then
     echo "install_deps: pip install ${need_test[*]} (test-only, best effort)"
     if ! "$PY" -m pip install --quiet --disable-pip-version-check \

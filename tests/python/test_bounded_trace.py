@@ -13,6 +13,8 @@ import re
 import pytest
 
 from trainsan.html_report import render
+
+from _browser import headless_page
 from trainsan.report import diff, load_trace, report
 
 STEPS = 3000
@@ -271,35 +273,14 @@ def test_html_lines_never_span_a_gap(traces):
 def test_html_headless_has_no_gap_lines_in_chromium(traces, tmp_path):
     """The rendered page, as a browser lays it out: the charts' polylines are where the data
     says (checked above); here only that it renders with the findings first on screen."""
-    try:
-        from playwright import sync_api
-    except ImportError as exc:
-        pytest.skip(f"playwright is not installed or does not import ({exc})")
-    import shutil
-
-    exe = os.environ.get("TRAINSAN_CHROMIUM") or next(
-        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p),
-        None)
-    if not exe:
-        pytest.skip("no chromium binary")
     out = tmp_path / "page.html"
     out.write_text(render([traces["a"]]), encoding="utf-8")
-    with sync_api.sync_playwright() as pw:
-        try:
-            browser = pw.chromium.launch(executable_path=exe, headless=True,
-                                         args=["--no-sandbox", "--disable-gpu",
-                                               "--disable-dev-shm-usage"])
-        except Exception as exc:  # noqa: BLE001 - a browser that cannot start here
-            pytest.skip(f"chromium at {exe} could not be launched by playwright: {exc}")
-        try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(out.as_uri(), wait_until="load")
-            table = page.locator("table.findings").bounding_box()
-            assert table and table["y"] < 900  # on the first screen
-            assert not page.locator("details.provenance table").first.is_visible()
-            assert page.locator("svg.chart g.finding-marker").count() == 2
-        finally:
-            browser.close()
+    with headless_page() as page:
+        page.goto(out.as_uri(), wait_until="load")
+        table = page.locator("table.findings").bounding_box()
+        assert table and table["y"] < 900  # on the first screen
+        assert not page.locator("details.provenance table").first.is_visible()
+        assert page.locator("svg.chart g.finding-marker").count() == 2
 
 
 def test_tensorboard_export_has_gaps(traces, tmp_path):

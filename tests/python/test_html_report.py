@@ -18,6 +18,8 @@ import trainsan
 from trainsan.__main__ import main
 from trainsan.html_report import render
 
+from _browser import headless_page
+
 EVIL = "<script>alert('x')</script> & \"quoted\""
 
 
@@ -118,14 +120,6 @@ def test_no_tensors_empty_and_several_traces(traces, tmp_path):
 
 # ---------------------------------------------------------------- headless browser
 
-def _chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
-
-
 def _png_pixels(data):
     """(width, height, rows of RGB(A) tuples) of an 8-bit RGB/RGBA, non-interlaced PNG."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -163,50 +157,31 @@ def _png_pixels(data):
 
 
 def test_page_renders_in_headless_chromium(traces, tmp_path):
-    try:
-        from playwright import sync_api
-    except ImportError as exc:
-        pytest.skip(f"playwright is not installed or does not import ({exc}); "
-                    "pip install playwright==1.55.0")
-    exe = os.environ.get("TRAINSAN_CHROMIUM") or _chromium()
-    if not exe:
-        pytest.skip("no chromium binary (apt-get install chromium); playwright's own browser "
-                    "download is not used")
     out, _ = _page(tmp_path, traces["good"], traces["bad"])
     errors = []
-    with sync_api.sync_playwright() as pw:
-        try:
-            browser = pw.chromium.launch(executable_path=exe, headless=True,
-                                         args=["--no-sandbox", "--disable-gpu",
-                                               "--disable-dev-shm-usage"])
-        except Exception as exc:  # noqa: BLE001 - a browser that cannot start here
-            pytest.skip(f"chromium at {exe} could not be launched by playwright: {exc}")
-        try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
-                    if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-            page.on("requestfailed", lambda r: errors.append(f"requestfailed: {r.url}"))
-            requests = []
-            page.on("request", lambda r: requests.append(r.url))
-            page.goto(out.as_uri(), wait_until="load")
-            svgs = page.locator("svg")
-            assert svgs.count() >= 8  # 2 traces x (norms, ratio, 2 heat maps) + a timeline
-            for i in range(svgs.count()):
-                box = svgs.nth(i).bounding_box()
-                assert box and box["width"] > 50 and box["height"] > 20, (i, box)
-            assert page.locator("svg.heatmap rect").count() > 50
-            assert page.locator("svg.chart polyline").count() >= 4
-            assert "<script>alert" in page.inner_text("table.findings")  # shown as text
-            # The findings come before the first chart; the provenance is folded.
-            bad = page.locator("section#trace-1")
-            first = bad.locator("table.findings").bounding_box()
-            assert first["y"] < bad.locator("svg.chart").first.bounding_box()["y"]
-            assert not page.locator("details.provenance table").first.is_visible()
-            shot = tmp_path / "report.png"
-            data = page.screenshot(path=str(shot), full_page=True)
-        finally:
-            browser.close()
+    with headless_page() as page:
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+        page.on("requestfailed", lambda r: errors.append(f"requestfailed: {r.url}"))
+        requests = []
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(out.as_uri(), wait_until="load")
+        svgs = page.locator("svg")
+        assert svgs.count() >= 8  # 2 traces x (norms, ratio, 2 heat maps) + a timeline
+        for i in range(svgs.count()):
+            box = svgs.nth(i).bounding_box()
+            assert box and box["width"] > 50 and box["height"] > 20, (i, box)
+        assert page.locator("svg.heatmap rect").count() > 50
+        assert page.locator("svg.chart polyline").count() >= 4
+        assert "<script>alert" in page.inner_text("table.findings")  # shown as text
+        # The findings come before the first chart; the provenance is folded.
+        bad = page.locator("section#trace-1")
+        first = bad.locator("table.findings").bounding_box()
+        assert first["y"] < bad.locator("svg.chart").first.bounding_box()["y"]
+        assert not page.locator("details.provenance table").first.is_visible()
+        shot = tmp_path / "report.png"
+        data = page.screenshot(path=str(shot), full_page=True)
     assert not errors, errors
     assert all(u.startswith("file://") for u in requests), requests
     assert shot.stat().st_size > 5000 and data[:8] == b"\x89PNG\r\n\x1a\n"
