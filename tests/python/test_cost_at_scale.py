@@ -378,3 +378,53 @@ def test_kill_9_keeps_every_record_before_the_step_in_flight(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in recs if r["type"] == "step"] == list(range(51))
+
+
+def test_every_trace_tool_on_a_long_bounded_trace(tmp_path):
+    """2,000 steps of a real run (a NaN planted at step 1,500), trace at the defaults: report,
+    report --html, diff, tensorboard, precision and --resume-trace each still find what they are
+    for on the bounded trace, which stays small."""
+    from trainsan.__main__ import main as cli
+    from trainsan.report import precision, report
+
+    path = tmp_path / "long.jsonl"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(2000)]
+    with trainsan.attach(model, opt, policy="record", trace=path, headroom_every=500) as san:
+        for s, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            if s == 1500:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert os.path.getsize(path) / 2000 < 1024
+    t = load_trace(str(path))
+    assert len(t["steps"]) == 2000 and t["summary"]["steps"] == 2000
+    text = report(str(path))
+    assert "nonfinite" in text and "per-tensor rows" in text, text
+    # The rows around the NaN's step are there to read (ring before, records after).
+    rows = {s["step"] for s in t["steps"] if s.get("tensors")}
+    assert {1495, 1499, 1500, 1505} <= rows
+    html = tmp_path / "r.html"
+    assert cli(["report", str(path), "--html", str(html)]) == 0
+    page = html.read_text()
+    assert page.index("nonfinite") < page.index("<details")
+    assert "no difference" in diff(str(path), str(path))
+    assert "float16" in precision(str(path), None)
+    if __import__("importlib").util.find_spec("tensorboard"):
+        from trainsan.tensorboard import export
+        assert export(str(path), str(tmp_path / "tb"))["steps"] == 2000
+    # A resumed run that replays the first batches is told so from the bounded trace.
+    model2 = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    with trainsan.attach(model2, opt2, policy="record", resume_trace=str(path)) as san2:
+        for x, y in batches[:3]:
+            opt2.zero_grad()
+            F.cross_entropy(model2(x), y).backward()
+            opt2.step()
+    assert "duplicate_batch" in {f.kind for f in san2.findings}, san2.findings
