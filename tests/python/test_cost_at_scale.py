@@ -266,8 +266,15 @@ def _train_traced(path, steps, nan_at=None, **kw):
 def test_trace_grows_at_most_1_kib_a_step_and_rows_go_where_they_matter(tmp_path):
     path = tmp_path / "t.jsonl"
     n_tensors = len(list(_many_tensors().parameters()))
-    san, sizes = _train_traced(path, 662, nan_at=650)
-    assert (sizes[600] - sizes[300]) / 300 <= 1024, (sizes[600] - sizes[300]) / 300
+    # Steady state between steps 300 and 600: the magnitude rules, which this random data can
+    # trip (a grad_explosion there brings 17 records of rows, by design), are off.
+    san, sizes = _train_traced(path, 662, nan_at=650,
+                               checks={"grad_explosion": False, "loss_spike": False})
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    window = [r for r in recs if 300 < r.get("step", -1) <= 600]
+    assert (sizes[600] - sizes[300]) / 300 <= 1024, (
+        (sizes[600] - sizes[300]) / 300, [(r["kind"], r["step"], r["tensor"], r["message"][:150]) for r in window
+                                          if r["type"] == "finding"][:40])
     t = load_trace(str(path))
     steps = {s["step"]: s for s in t["steps"]}
     assert len(steps) == 662
