@@ -289,9 +289,11 @@ PackedStats packed_cpu(const std::vector<at::Tensor>& tensors,
       const kn::TensorDesc& d = w.descs[owner[c]];
       const int64_t start = (c - w.chunk_begin[owner[c]]) * kn::kChunkSize;
       const int64_t count = std::min(kn::kChunkSize, d.numel - start);
-      // Relative cost per element: 4 for the statistics, +5 with an update, +2 to gather a
+      // Relative cost per element: 4 for the statistics, +5 with an update against a full copy
+      // (a sample's few elements cost next to nothing: Note [Update sample]), +2 to gather a
       // strided chunk; plus a fixed cost per chunk.
-      const int64_t per = 4 + (d.snapshot != nullptr ? 5 : 0) + (d.contiguous ? 0 : 2);
+      const bool full_copy = d.snapshot != nullptr && d.sample_stride <= 1;
+      const int64_t per = 4 + (full_copy ? 5 : 0) + (d.contiguous ? 0 : 2);
       cost[c + 1] = cost[c] + count * per + 4096;
     }
     int64_t c = 0;
