@@ -150,14 +150,7 @@ std::string hex64(uint64_t h) {
 
 // The fingerprint of a batch: its tensors' TensorStats::hash, in order, mixed (FNV-1a over the
 // 64-bit words; bindings/trainsan/attribution.py's batch_fingerprint is the same).
-uint64_t combine(const std::vector<uint64_t>& hashes) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const uint64_t x : hashes) {
-    h ^= x;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+uint64_t combine(const std::vector<uint64_t>& hashes) { return fnv1a_words(hashes); }
 
 std::vector<TensorStats> stats_of(const std::vector<at::Tensor>& ts) {
   return ts.empty() ? std::vector<TensorStats>{} : tensor_stats(ts);

@@ -26,6 +26,15 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The fingerprints of a pass's rows, and the seed the input and target fingerprints mix them
+// from (traces compare these values across runs: --resume-trace, diff).
+constexpr uint64_t kInputsSeed = 0x84222325cbf29ce4ULL;
+std::vector<uint64_t> hashes_of(const PackedStats& host) {
+  std::vector<uint64_t> out;
+  for (const auto& s : unpack_stats(host)) out.push_back(s.hash);
+  return out;
+}
+
 // The same tensor viewed as unsigned-width integers, for bitwise comparison.
 at::Tensor as_bits(const at::Tensor& t) {
   switch (t.element_size()) {
@@ -305,9 +314,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
         // Only the fingerprints are read (Note [Lean rows], kModeHash).
         readback.push(start_host_copy(fingerprint_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
                       [this, at_step, restarts, loader](const PackedStats& host) {
-                        uint64_t h = 0x84222325cbf29ce4ull;
-                        for (const auto& s : unpack_stats(host))
-                          h = (h ^ s.hash) * 0x100000001b3ull;
+                        const uint64_t h = fnv1a_words(hashes_of(host), kInputsSeed);
                         checks.inputs.on_inputs(h, at_step, restarts, loader);
                         checks.loss.on_inputs(h);
                         input_hashes[at_step] = h;
@@ -346,8 +353,7 @@ void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
     check_tensors(ok, "trainsan targets");
     readback.push(start_host_copy(fingerprint_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
                   [this, at_step](const PackedStats& host) {
-                    uint64_t h = 0x84222325cbf29ce4ull;
-                    for (const auto& s : unpack_stats(host)) h = (h ^ s.hash) * 0x100000001b3ull;
+                    const uint64_t h = fnv1a_words(hashes_of(host), kInputsSeed);
                     target_hashes[at_step] = h;
                     while (target_hashes.size() > 64) target_hashes.erase(target_hashes.begin());
                   });

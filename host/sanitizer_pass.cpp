@@ -84,30 +84,24 @@ std::vector<Row> unpack_rows(const SanitizerImpl::Pass& p, const std::vector<Hos
 }
 
 // Note [Bounded trace] (trace.h): the step record's digest of the gradients' statistics, FNV-1a
-// over the bits of each gradient's norm, sum and non-finite counts in parameter order (a
-// parameter without a gradient contributes a marker).
+// over the 64-bit words of each gradient's norm and sum (their bits) and non-finite counts, in
+// parameter order (a parameter without a gradient contributes a marker).
 uint64_t grads_digest(const StepView& v) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  const auto mix = [&h](uint64_t word) {
-    for (int b = 0; b < 8; ++b) {
-      h = (h ^ ((word >> (8 * b)) & 0xffu)) * 0x100000001b3ull;
-    }
-  };
+  std::vector<uint64_t> words;
+  words.reserve(v.params.size() * 5);
   for (const ParamView& p : v.params) {
     if (!p.grad) {
-      mix(0x9e3779b97f4a7c15ull);
+      words.push_back(0x9e3779b97f4a7c15ull);
       continue;
     }
     uint64_t l2 = 0, sum = 0;
     std::memcpy(&l2, &p.grad->l2, sizeof(l2));
     std::memcpy(&sum, &p.grad->sum, sizeof(sum));
-    mix(l2);
-    mix(sum);
-    mix(static_cast<uint64_t>(p.grad->nan));
-    mix(static_cast<uint64_t>(p.grad->posinf));
-    mix(static_cast<uint64_t>(p.grad->neginf));
+    words.insert(words.end(),
+                 {l2, sum, static_cast<uint64_t>(p.grad->nan),
+                  static_cast<uint64_t>(p.grad->posinf), static_cast<uint64_t>(p.grad->neginf)});
   }
-  return h;
+  return fnv1a_words(words);
 }
 
 // Machine epsilon of a floating dtype (ParamView::eps); 0 for the others.
@@ -252,7 +246,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     // `fingerprints`, and for the replica comparison on its steps (weights, sampled gradients).
     // Note [Every-step tier]: elsewhere the gradients get the lean rows of Note [Lean rows].
     // Note [Bounded trace]: the steps whose records hold per-tensor rows for a reason known now.
-    p->hashed = opts.fingerprints || (trace.traces(p->step) && trace.rows_due(p->step));
+    p->hashed = opts.fingerprints || trace.rows_due(p->step);
     p->replica = replicas && checks.replicas.fingerprint_due(p->step);
     p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
@@ -324,11 +318,10 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
       const size_t i = p->indices[k];
       const at::Tensor& prm = params[i].data();
       at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
-      const int64_t kept = opts.exact_updates
-                               ? prm.numel()
-                               : kn::num_samples_of(prm.numel(), update_sample_stride(prm.numel()));
-      if (snap.defined() && (snap.device() != prm.device() || snap.numel() != kept ||
-                             snap.scalar_type() != prm.scalar_type())) {
+      if (snap.defined() &&
+          (snap.device() != prm.device() ||
+           snap.numel() != update_snapshot_numel(prm.numel(), opts.exact_updates) ||
+           snap.scalar_type() != prm.scalar_type())) {
         snap = at::Tensor();  // the parameter was replaced; start a new snapshot
         snapshots[i] = make_update_snapshot(prm, opts.exact_updates);
       }
@@ -417,7 +410,7 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   if (trace.is_open()) {  // the steps fingerprinted for the trace's rows (Note [Bounded trace])
     const auto it = opt_steps.find(opt);
     const int64_t upcoming = it == opt_steps.end() ? 0 : it->second;
-    if (trace.traces(upcoming) && trace.rows_due(upcoming)) return;
+    if (trace.rows_due(upcoming)) return;
   }
   const auto t0 = Clock::now();
   BeginRows b;

@@ -26,6 +26,20 @@ constexpr int64_t kUpdateSampleCap = 4096;
 inline int64_t update_sample_stride(int64_t numel) {
   return numel <= kUpdateSampleCap ? 1 : (numel + kUpdateSampleCap - 1) / kUpdateSampleCap;
 }
+// The elements of a tensor of `numel` its snapshot holds: all of them (`exact`), or its sample's.
+inline int64_t update_snapshot_numel(int64_t numel, bool exact) {
+  return exact ? numel : kernels::num_samples_of(numel, update_sample_stride(numel));
+}
+// FNV-1a over 64-bit words (each word xor-ed in whole, then the FNV prime), from `seed`: how the
+// fingerprints of several tensors or statistics are combined into one (batches, inputs, targets,
+// the trace's gradient digest).
+inline uint64_t fnv1a_words(const std::vector<uint64_t>& words,
+                            uint64_t seed = 0xcbf29ce484222325ULL) {
+  uint64_t h = seed;
+  for (const uint64_t w : words) h = (h ^ w) * 0x100000001b3ULL;
+  return h;
+}
+
 // The previous values the update statistics of `t` compare against: a contiguous copy of all of
 // it (`exact`), or its sample (Note [Update sample]; the whole of it for a small tensor), on its
 // device, in its dtype.

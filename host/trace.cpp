@@ -214,7 +214,7 @@ void TraceWriter::line(const std::string& json) {
 }
 
 bool TraceWriter::rows_due(int64_t step) const {
-  if (!is_open() || opts_.trace_tensors == "global") return false;
+  if (!traces(step) || opts_.trace_tensors == "global") return false;
   const int64_t every = opts_.trace_rows_every;
   return every == 1 || step < opts_.trace_first_steps ||
          (every > 0 && step % every == 0 && bulk_ok());
@@ -237,8 +237,8 @@ void TraceWriter::add_bulk(int64_t bytes) {
 }
 
 bool TraceWriter::wants_tensors(int64_t step) const {
-  return traces(step) && opts_.trace_tensors != "global" &&
-         (rows_due(step) || rows_after_ > 0 || opts_.trace_ring > 0);
+  return rows_due(step) || (traces(step) && opts_.trace_tensors != "global" &&
+                            (rows_after_ > 0 || opts_.trace_ring > 0));
 }
 
 void TraceWriter::finding(const Finding& f) {

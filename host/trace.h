@@ -89,8 +89,8 @@ class TraceWriter {
   bool is_open() const { return fd_ >= 0; }
   /// Whether step `step` gets a step record (trace_every).
   bool traces(int64_t step) const { return is_open() && step % opts_.trace_every == 0; }
-  /// Whether step `step`'s record holds per-tensor rows for a reason known in advance (first
-  /// steps, every trace_rows_every-th): its pass computes the fingerprints.
+  /// Whether step `step` gets a record holding per-tensor rows for a reason known in advance
+  /// (first steps, every trace_rows_every-th): its pass computes the fingerprints.
   bool rows_due(int64_t step) const;
   /// Whether the step pass should hand over the step's tensors (for its rows or the ring).
   bool wants_tensors(int64_t step) const;
