@@ -34,6 +34,7 @@ from ._gatherers import Gatherer
 from .determinism import _distributed, _rng, _set_rng
 from .precision import _float_tensors
 from .replicas import fingerprints
+from .report import earlier_part
 
 _MASK = (1 << 64) - 1
 
@@ -284,8 +285,8 @@ def poison_batches(trace: Union[str, os.PathLike, Iterable]) -> list[dict]:
         # A rotated trace (trace_max_mb) begins with a header that has "rotated": the records
         # before it, poison batches among them, are in <path>.1; read first, in order.
         parts = [path]
-        earlier = f"{os.fspath(path)}.1"
-        if _rotated(path) and os.path.isfile(earlier):
+        earlier = earlier_part(path, _first_record(path))
+        if earlier and os.path.isfile(earlier):
             parts.insert(0, earlier)
         for part in parts:
             with open(part, encoding="utf-8") as fh:
@@ -301,15 +302,14 @@ def poison_batches(trace: Union[str, os.PathLike, Iterable]) -> list[dict]:
     return out
 
 
-def _rotated(path) -> bool:
-    """Whether the trace at `path` starts with the header of a rotation ("rotated": k)."""
+def _first_record(path) -> Optional[dict]:
+    """The first record of the trace at `path` (its header), or None where it is not JSON."""
     with open(path, encoding="utf-8") as fh:
         first = fh.readline()
     try:
-        head = json.loads(first)
+        return json.loads(first)
     except ValueError:
-        return False
-    return isinstance(head, dict) and head.get("type") == "header" and bool(head.get("rotated"))
+        return None
 
 
 def skip_poison(batches: Iterable, trace: Union[str, os.PathLike, Iterable],

@@ -101,11 +101,16 @@ def has_rows(step: dict) -> bool:
     return bool(step.get("tensors"))
 
 
+def earlier_part(path, header: Optional[dict]) -> Optional[str]:
+    """The file the earlier part of the trace at `path` is in (``<path>.1``, trace_max_mb's
+    rotation), or None: `header` (its first record) is not that of a rotation."""
+    rotated = isinstance(header, dict) and header.get("type") == "header" and header.get("rotated")
+    return f"{os.fspath(path)}.1" if rotated else None
+
+
 def rotated_from(t: dict) -> Optional[str]:
-    """The file an earlier part of a rotated trace is in (``<path>.1``), or None: the trace's
-    header is not that of a rotation."""
-    header = t["header"] or {}
-    return f"{t['path']}.1" if header.get("rotated") else None
+    """earlier_part of a loaded trace."""
+    return earlier_part(t["path"], t["header"])
 
 
 def trace_error(t: dict) -> Optional[str]:
