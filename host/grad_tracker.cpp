@@ -10,7 +10,11 @@
 
 #include <algorithm>
 
+#include "stats_internal.h"
+
 namespace trainsan::host {
+
+at::Tensor TrackedParam::data() const { return readable(local.defined() ? local : param); }
 
 namespace {
 

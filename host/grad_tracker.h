@@ -88,7 +88,9 @@ struct TrackedParam {
   at::Tensor local;       // distributed: this process's shard of the parameter (else undefined)
   at::Tensor local_grad;  // distributed: the shard of its gradient at the last local_shards()
   bool external = false;  // accumulations reported by the caller (FSDP2), no AccumulateGrad hook
-  const at::Tensor& data() const { return local.defined() ? local : param; }
+  /// What the statistics passes read of it: its shard or itself, a complex one as its real and
+  /// imaginary parts (Note [Dtypes the pass reads] in host/stats.cpp).
+  at::Tensor data() const;
 };
 
 /// What a step consumes of one parameter's gradient (GradTracker::consume).

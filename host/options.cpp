@@ -24,11 +24,44 @@ double parse_double(const std::string& name, const std::string& value) {
   TORCH_CHECK_VALUE(false, "trainsan option ", name, " expects a number, got '", value, "'");
 }
 
-int64_t parse_int(const std::string& name, const std::string& value, int64_t min) {
-  const double v = parse_double(name, value);
-  TORCH_CHECK_VALUE(v == std::floor(v) && v >= 0, "trainsan option ", name,
-                    " expects a non-negative integer, got '", value, "'");
-  return std::max<int64_t>(min, static_cast<int64_t>(v));
+// `v`, already parsed from `value` and checked against the option's range, as an integer.
+int64_t to_int(const std::string& name, const std::string& value, double v) {
+  TORCH_CHECK_VALUE(v == std::floor(v) && std::abs(v) < 9.0e15, "trainsan option ", name,
+                    " expects an integer, got '", value, "'");
+  return static_cast<int64_t>(v);
+}
+
+// An option's range, "[1, inf)" or "(0, 1]", as options.def writes it.
+struct Range {
+  double lo = 0, hi = 0;
+  bool lo_open = false, hi_open = false;
+  bool holds(double v) const {  // false for NaN
+    return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
+  }
+};
+
+Range parse_range(const char* text) {
+  const std::string t = text;
+  Range r;
+  const size_t comma = t.find(',');
+  TORCH_INTERNAL_ASSERT(t.size() >= 5 && comma != std::string::npos &&
+                            (t.front() == '[' || t.front() == '(') &&
+                            (t.back() == ']' || t.back() == ')'),
+                        "options.def: bad range '", t, "'");
+  r.lo_open = t.front() == '(';
+  r.hi_open = t.back() == ')';
+  r.lo = std::stod(t.substr(1, comma - 1));  // "inf" and "-inf" read as infinities
+  r.hi = std::stod(t.substr(comma + 1, t.size() - comma - 2));
+  return r;
+}
+
+void check_range(const char* name, double v, const char* range) {
+  const Range r = parse_range(range);
+  std::ostringstream got;
+  got.precision(17);
+  got << v;
+  TORCH_CHECK_VALUE(r.holds(v), "trainsan: option ", name, " must be in ", range, ", got ",
+                    got.str(), " (docs/options.md says what each value means)");
 }
 
 bool parse_bool(const std::string& name, const std::string& value) {
@@ -94,15 +127,19 @@ void Options::set(const std::string& name, const std::string& value) {
     n = value;                                    \
     return;                                       \
   }
-#define TRAINSAN_OPTION_INT(n, def, min, doc) \
-  if (name == #n) {                           \
-    n = parse_int(name, value, min);          \
-    return;                                   \
+#define TRAINSAN_OPTION_INT(n, def, range, doc) \
+  if (name == #n) {                             \
+    const double v = parse_double(name, value); \
+    check_range(#n, v, range);                  \
+    n = to_int(name, value, v);                 \
+    return;                                     \
   }
-#define TRAINSAN_OPTION_REAL(n, def, doc) \
-  if (name == #n) {                       \
-    n = parse_double(name, value);        \
-    return;                               \
+#define TRAINSAN_OPTION_REAL(n, def, range, doc) \
+  if (name == #n) {                              \
+    const double v = parse_double(name, value);  \
+    check_range(#n, v, range);                   \
+    n = v;                                       \
+    return;                                      \
   }
 #define TRAINSAN_OPTION_BOOL(n, def, doc) \
   if (name == #n) {                       \
@@ -120,15 +157,17 @@ void Options::set(const std::string& name, const std::string& value) {
 
 void Options::validate() const {
 #define TRAINSAN_OPTION_STR(n, def, choices, doc) check_choice(#n, n, choices);
-#define TRAINSAN_OPTION_INT(n, def, min, doc) \
-  TORCH_CHECK_VALUE(n >= min, "trainsan option " #n " must be at least ", min, ", got ", n);
-#define TRAINSAN_OPTION_REAL(n, def, doc)
+#define TRAINSAN_OPTION_INT(n, def, range, doc) check_range(#n, static_cast<double>(n), range);
+#define TRAINSAN_OPTION_REAL(n, def, range, doc) check_range(#n, n, range);
 #define TRAINSAN_OPTION_BOOL(n, def, doc)
 #include "trainsan/options.def"
 #undef TRAINSAN_OPTION_STR
 #undef TRAINSAN_OPTION_INT
 #undef TRAINSAN_OPTION_REAL
 #undef TRAINSAN_OPTION_BOOL
+  TORCH_CHECK_VALUE(update_ratio_low < update_ratio_high, "trainsan: option update_ratio_low (",
+                    update_ratio_low, ") must be below update_ratio_high (", update_ratio_high,
+                    "): they are the two ends of the band of healthy update ratios");
   std::string valid;
   for (const KindInfo& k : kinds()) valid += std::string(valid.empty() ? "" : ", ") + k.name;
   for (const auto& [kind, on] : checks) {
@@ -144,11 +183,11 @@ std::string Options::to_json() const {
 #define TRAINSAN_OPTION_STR(n, def, choices, doc) \
   os << sep << "\"" #n "\":" << json_escape(n);   \
   sep = ",";
-#define TRAINSAN_OPTION_INT(n, def, min, doc) \
-  os << sep << "\"" #n "\":" << n;            \
+#define TRAINSAN_OPTION_INT(n, def, range, doc) \
+  os << sep << "\"" #n "\":" << n;              \
   sep = ",";
-#define TRAINSAN_OPTION_REAL(n, def, doc)       \
-  os << sep << "\"" #n "\":" << json_number(n); \
+#define TRAINSAN_OPTION_REAL(n, def, range, doc) \
+  os << sep << "\"" #n "\":" << json_number(n);  \
   sep = ",";
 #define TRAINSAN_OPTION_BOOL(n, def, doc)               \
   os << sep << "\"" #n "\":" << (n ? "true" : "false"); \
@@ -171,8 +210,8 @@ std::string Options::to_json() const {
 const std::vector<OptionInfo>& option_table() {
   static const std::vector<OptionInfo> table = {
 #define TRAINSAN_OPTION_STR(n, def, choices, doc) {#n, "str", def, choices, doc},
-#define TRAINSAN_OPTION_INT(n, def, min, doc) {#n, "int", std::to_string(def), "", doc},
-#define TRAINSAN_OPTION_REAL(n, def, doc) {#n, "float", real_text(def), "", doc},
+#define TRAINSAN_OPTION_INT(n, def, range, doc) {#n, "int", std::to_string(def), range, doc},
+#define TRAINSAN_OPTION_REAL(n, def, range, doc) {#n, "float", real_text(def), range, doc},
 #define TRAINSAN_OPTION_BOOL(n, def, doc) {#n, "bool", def ? "true" : "false", "", doc},
 #include "trainsan/options.def"
 #undef TRAINSAN_OPTION_STR

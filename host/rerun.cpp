@@ -9,6 +9,7 @@
 #include <chrono>
 
 #include "sanitizer_impl.h"
+#include "stats_internal.h"
 
 namespace trainsan {
 namespace host {
@@ -16,7 +17,7 @@ namespace host {
 namespace {
 
 bool fingerprinted(const at::Tensor& t) {
-  return t.defined() && t.layout() == at::kStrided && at::isFloatingType(t.scalar_type()) &&
+  return t.defined() && t.layout() == at::kStrided && readable_values(t.scalar_type()) &&
          (t.device().is_cpu() || t.device().is_cuda());
 }
 

@@ -49,11 +49,21 @@ at::Tensor as_bits(const at::Tensor& t) {
   }
 }
 
-std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps) {
+// The parameters the passes read; those of a dtype the pass does not read (Note [Dtypes the pass
+// reads] in host/stats.cpp: float8, uint16, ...) are left out and named in `unread`.
+std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps, std::vector<std::string>* unread) {
+  TORCH_CHECK_VALUE(!ps.empty(),
+                    "trainsan::Sanitizer: no parameters given; pass "
+                    "model->named_parameters()");
   std::vector<TrackedParam> out;
   for (auto& p : ps) {
     TORCH_CHECK_TYPE(p.tensor.defined(), "trainsan::Sanitizer: parameter '", p.name,
                      "' is undefined");
+    const at::Tensor& read = p.local.defined() ? p.local : p.tensor;
+    if (!readable_dtype(read.scalar_type())) {
+      unread->push_back(p.name + " (" + c10::getDtypeNames(read.scalar_type()).first + ")");
+      continue;
+    }
     TrackedParam t;
     t.name = std::move(p.name);
     t.param = std::move(p.tensor);
@@ -63,9 +73,6 @@ std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps) {
     t.external = p.external_grad_hook;
     out.push_back(std::move(t));
   }
-  TORCH_CHECK_VALUE(!out.empty(),
-                    "trainsan::Sanitizer: no parameters given; pass "
-                    "model->named_parameters()");
   return out;
 }
 
@@ -114,7 +121,7 @@ bool fp16_autocast() {
 SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options, Setup s)
     : opts(validated(options)),
       setup(std::move(s)),
-      params(to_tracked(std::move(parameters))),
+      params(to_tracked(std::move(parameters), &unread)),
       have_optimizer(std::any_of(params.begin(), params.end(),
                                  [](const TrackedParam& p) { return p.opt >= 0; })),
       trace(opts, setup.header_extra, params.size()),
@@ -528,7 +535,7 @@ void SanitizerImpl::gradients_cleared(int64_t opt) {
   std::vector<std::string> names;
   for (const size_t i : idx) {
     const at::Tensor& g = params[i].param.grad();
-    if (!g.defined() || g.layout() != at::kStrided || !at::isFloatingType(g.scalar_type()) ||
+    if (!g.defined() || g.layout() != at::kStrided || !readable_values(g.scalar_type()) ||
         params[i].local.defined() || (!ts.empty() && g.device() != ts[0].device())) {
       continue;
     }
@@ -563,7 +570,7 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
   const auto t0 = Clock::now();
   std::vector<at::Tensor> floats;
   for (const auto& t : outs) {
-    if (t.defined() && t.layout() == at::kStrided && at::isFloatingType(t.scalar_type()) &&
+    if (t.defined() && t.layout() == at::kStrided && readable_values(t.scalar_type()) &&
         (t.device().is_cpu() || t.device().is_cuda())) {
       floats.push_back(t.detach());
     }
@@ -594,6 +601,7 @@ Coverage SanitizerImpl::coverage_now() const {
   c.trace_rows_steps = trace.rows_records();
   c.trace_bytes = trace.bytes();
   c.trace_error = trace.error();
+  c.unread = unread;
   const bool attached = setup.binding != nullptr;
   const std::string no_forward =
       attached ? "no training forward was seen: no op read a parameter of the model together with "

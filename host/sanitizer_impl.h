@@ -102,6 +102,9 @@ struct SanitizerImpl {
   // --- configuration ---
   const Options opts;
   const Setup setup;
+  // Parameters left out of the passes for their dtype (Note [Dtypes the pass reads]), as
+  // "name (dtype)": filled by to_tracked before `params`, reported in coverage()'s `unread`.
+  std::vector<std::string> unread;
   std::vector<TrackedParam> params;
   bool have_optimizer = false;
 

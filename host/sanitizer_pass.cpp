@@ -623,7 +623,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     if (pv.opt == p.opt && grp >= 0 && static_cast<size_t>(grp) < p.group_lr.size()) {
       pv.lr = p.group_lr[static_cast<size_t>(grp)];
     }
-    pv.eps = dtype_eps(params[i].param.scalar_type());
+    pv.eps = dtype_eps(params[i].data().scalar_type());
     pv.grad_left_nonzero = p.consumed[k].left_nonzero;
   }
   if (p.replica) {

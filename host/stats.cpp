@@ -49,6 +49,44 @@ std::optional<kn::DType> to_dtype(at::ScalarType st) {
   }
 }
 
+}  // namespace
+
+// Note [Dtypes the pass reads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every tensor reaches the kernels through describe(), and what the pass does with a dtype is
+// decided here, once, for every caller (the step pass, the public ops, inputs, targets, module
+// outputs, saved tensors, replicas):
+//  - the dtypes of kernels::DType (to_dtype) are read as they are;
+//  - a complex tensor (complex32, complex64, complex128) is read as its real and imaginary parts:
+//    the real view of the same memory (view_as_real, last dim 2; a conjugate view is resolved
+//    first), 2n elements of the real dtype. Its figures are those of that view, exactly: the L2
+//    norm is the complex (Frobenius) norm, absmax the largest |part| (|z| is at most sqrt(2)
+//    times it), NaN/Inf/zero counts count parts, and the fingerprints and the update statistics
+//    are the parts'. A sanitizer reads a complex parameter the same way (TrackedParam::data()),
+//    so its snapshot and its rows agree; trace rows say numel 2n.
+//  - any other dtype (float8, uint16/32/64, the bit and sub-byte dtypes) is not read. describe()
+//    and check_tensors() refuse it with a TypeError naming the tensor and dtype, never a guess at
+//    its bits; a sanitizer leaves such parameters out of its passes at attach and names them in
+//    coverage()'s `unread` and the summary (to_tracked in sanitizer.cpp). The callers that read
+//    tensors the loop hands over (inputs, targets, module outputs) already skip a tensor the
+//    pass refuses.
+// The kernels' own dtype switches (kernels/dispatch.h) throw on the host and do nothing on the
+// device for a code outside DType; only describe() makes codes, so neither is reached.
+bool readable_dtype(at::ScalarType st) { return to_dtype(st).has_value() || at::isComplexType(st); }
+
+bool readable_values(at::ScalarType st) {
+  return (at::isFloatingType(st) || at::isComplexType(st)) && readable_dtype(st);
+}
+
+at::Tensor readable(const at::Tensor& t) {
+  if (!t.defined() || to_dtype(t.scalar_type()).has_value()) return t;
+  if (!at::isComplexType(t.scalar_type())) return at::Tensor();
+  const at::Tensor plain = t.detach();
+  return at::view_as_real(plain.is_conj() ? plain.resolve_conj() : plain);
+}
+
+namespace {
+
 // Drop size-1 dims and merge neighbours that are contiguous with each other, so that most views
 // (slices, transposes of 2-D blocks, expanded dims) fit kMaxDims and contiguous ones become 1-D.
 int collapse(const at::Tensor& t, int64_t* sizes, int64_t* strides, int max_dims) {
@@ -96,9 +134,10 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn) {
                       "...); pass its local data (DTensor: ._local_tensor / .to_local())");
     TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), fn, ": tensors[", i,
                       "] is on device ", t.device(), "; only CPU and CUDA tensors are supported");
-    TORCH_CHECK_TYPE(to_dtype(t.scalar_type()).has_value(), fn, ": tensors[", i, "] has dtype ",
+    TORCH_CHECK_TYPE(readable_dtype(t.scalar_type()), fn, ": tensors[", i, "] has dtype ",
                      t.scalar_type(),
-                     ", which is not supported (supported: " TRAINSAN_SUPPORTED_DTYPES ")");
+                     ", which is not supported (supported: " TRAINSAN_SUPPORTED_DTYPES
+                     ", and complex ones, read as their real and imaginary parts)");
   }
 }
 
@@ -119,6 +158,15 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
   int64_t chunks = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i];
+    if (t.defined() && !to_dtype(t.scalar_type()).has_value()) {  // Note [Dtypes the pass reads]
+      at::Tensor parts = readable(t);
+      TORCH_CHECK_TYPE(
+          parts.defined(), "trainsan: tensors[", i, "] has dtype ", t.scalar_type(),
+          ", which the statistics pass does not read (supported: " TRAINSAN_SUPPORTED_DTYPES
+          ", and complex ones); convert it or leave it out");
+      t = std::move(parts);
+      out.keep_alive.push_back(t);
+    }
     // The pass reads the data through its pointer: a tensor autograd tracks is read as it is, and
     // the two copies made here are of an alias (detach()), so that nothing enters a graph. Every
     // pass describes its tensors here, so its callers hand them over as they are (no detach()).
@@ -128,7 +176,7 @@ Described describe(const std::vector<at::Tensor>& tensors, const std::vector<at:
     }
     kn::TensorDesc& d = out.descs[i];
     std::memset(&d, 0, sizeof(d));
-    d.dtype = *to_dtype(t.scalar_type());
+    d.dtype = *to_dtype(t.scalar_type());  // readable above
     d.numel = t.numel();
     int nd = collapse(t, d.sizes, d.strides, kn::kMaxDims);
     if (nd > kn::kMaxDims) {

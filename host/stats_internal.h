@@ -17,6 +17,16 @@ struct Described {
   std::vector<at::Tensor> keep_alive;  // contiguous copies made for views of > kMaxDims dims
 };
 
+// Note [Dtypes the pass reads] (stats.cpp): whether the pass reads tensors of dtype `st` (the
+// kernels' dtypes, and complex ones as their real and imaginary parts).
+bool readable_dtype(at::ScalarType st);
+// `t` as the pass reads it: itself, or for a complex tensor the real view of its memory (an alias,
+// last dim 2); undefined for a dtype the pass does not read. Never enters an autograd graph.
+at::Tensor readable(const at::Tensor& t);
+// Values the value checks look at (gradients, module outputs, fingerprinted tensors): floating or
+// complex, of a dtype the pass reads (float8 is floating but not read).
+bool readable_values(at::ScalarType st);
+
 // Checks every element (TypeError/ValueError naming it) and that all share one device.
 void check_tensors(const std::vector<at::Tensor>& tensors, const char* fn);
 // Note [Update sample] (kernels/stats.h): the most elements the sample of one tensor holds; a

@@ -389,8 +389,13 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
      << ",\"window_backwards\":" << c.window_backwards << ",\"window_steps\":" << c.window_steps
      << ",\"window_samples\":" << c.window_samples << ",\"trace_rows_steps\":" << rows_records_
      << ",\"trace_bytes\":" << bytes_total_
-     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_))
-     << ",\"unchecked\":{";
+     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_)) << ",\"unread\":[";
+  sep = "";
+  for (const std::string& u : c.unread) {
+    os << sep << json_escape(u);
+    sep = ",";
+  }
+  os << "],\"unchecked\":{";
   sep = "";
   for (const auto& [kind, why] : c.unchecked) {
     os << sep << json_escape(kind) << ":" << json_escape(why);

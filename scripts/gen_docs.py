@@ -51,7 +51,7 @@ class Option:
     name: str
     type: str  # STR, INT, REAL, BOOL
     default: str  # as written in options.def (strings unquoted)
-    limit: str  # STR: choices ("a|b", "" for any); INT: the minimum; else ""
+    limit: str  # STR: choices ("a|b", "" for any); INT, REAL: the range ("[0, inf)"); else ""
     doc: str
 
 
@@ -191,7 +191,7 @@ def read_options(root: Path) -> list[Option]:
     path = root / OPTIONS_DEF
     text = path.read_text(encoding="utf-8")
     found = []
-    for typ, nargs in (("STR", 4), ("INT", 4), ("REAL", 3), ("BOOL", 3)):
+    for typ, nargs in (("STR", 4), ("INT", 4), ("REAL", 4), ("BOOL", 3)):
         for line, a in _calls(text, "TRAINSAN_OPTION_" + typ, OPTIONS_DEF):
             where = f"{OPTIONS_DEF}:{line}"
             if len(a) != nargs:
@@ -201,15 +201,16 @@ def read_options(root: Path) -> list[Option]:
             if typ == "STR":
                 opt = Option(name, typ, _string_value(a[1], where), _string_value(a[2], where),
                              _string_value(a[3], where))
-            elif typ == "INT":
-                for v in (a[1], a[2]):
-                    if not re.fullmatch(r"-?\d+", v):
-                        raise DefError(f"{where}: {name}: expected an integer, got {v!r}")
-                opt = Option(name, typ, a[1], a[2], _string_value(a[3], where))
-            elif typ == "REAL":
-                if not re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", a[1]):
+            elif typ in ("INT", "REAL"):
+                number = r"-?\d+" if typ == "INT" else r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?"
+                if not re.fullmatch(number, a[1]):
                     raise DefError(f"{where}: {name}: expected a number, got {a[1]!r}")
-                opt = Option(name, typ, a[1], "", _string_value(a[2], where))
+                limit = _string_value(a[2], where)
+                bound = r"\s*-?(\d+\.?\d*([eE][-+]?\d+)?|inf)\s*"
+                if not re.fullmatch(rf"[\[(]{bound},{bound}[\])]", limit):
+                    raise DefError(f"{where}: {name}: expected a range like \"[0, inf)\", got "
+                                   f"{limit!r}")
+                opt = Option(name, typ, a[1], limit, _string_value(a[3], where))
             else:
                 opt = Option(name, typ, "true" if _bool(a[1], where) else "false", "",
                              _string_value(a[2], where))
@@ -283,15 +284,13 @@ _TYPES = {"STR": "string", "INT": "int", "REAL": "float", "BOOL": "bool"}
 def _limit(o: Option) -> str:
     if o.type == "STR":
         return ", ".join(f"`{c}`" for c in o.limit.split("|")) if o.limit else "any"
-    if o.type == "INT":
-        return f"≥ {o.limit}"
-    return ""
+    return f"`{o.limit}`" if o.limit else ""
 
 
 def docs_options(options: list[Option]) -> str:
     rows = [_generated(OPTIONS_DEF.as_posix()), "",
             f"{len(options)} options, in the order of the table.", "",
-            "| option | type | default | choices / minimum | doc |", "|---|---|---|---|---|"]
+            "| option | type | default | choices / range | doc |", "|---|---|---|---|---|"]
     for o in options:
         default = f'`"{o.default}"`' if o.type == "STR" else f"`{o.default}`"
         rows.append(f"| `{o.name}` | {_TYPES[o.type]} | {default} | {_limit(o)} | "

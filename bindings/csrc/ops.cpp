@@ -508,7 +508,7 @@ TORCH_LIBRARY(trainsan, m) {
                kinds.push_back(k);
                reasons.push_back(why);
              }
-             return std::make_tuple(counts, kinds, reasons, c.trace_error);
+             return std::make_tuple(counts, kinds, reasons, c.trace_error, c.unread);
            })
       .def("step", [](const H& h) { return h->san->step(); })
       .def("overhead_s", [](const H& h) { return h->san->overhead_seconds(); })

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,9 +35,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t
 
 
+def script_names(kind: type) -> dict:
+    """id -> name of the `kind` objects the script's own variables hold (``__main__``'s): how the
+    launcher names the root modules it pairs and a sanitizer the tensors an optimizer trains
+    outside the model."""
+    main = vars(sys.modules.get("__main__", types.ModuleType("__main__")))
+    return {id(v): k for k, v in list(main.items())
+            if isinstance(v, kind) and k.isidentifier() and not k.startswith("_")}
+
+
 def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
     """The model's parameters as the C++ sanitizer registers them: (names, parameters, the index
-    of each one's optimizer (-1: none), of its param group)."""
+    of each one's optimizer (-1: none), of its param group, the names of those watched from
+    outside the model).
+
+    Note [Tensors outside the model]: an optimizer may train tensors the attached module does
+    not hold (a functional model whose forward reads an external weight, a learnable temperature
+    kept beside the model, a bare tensor given to the optimizer). They are watched like the
+    model's own parameters, after them, each named as the script names it (its variable in
+    ``__main__``, as the launcher names root modules) or by where the optimizer holds it
+    (``optimizer0.group1.param2``); the sanitizer notes which. An optimizer holding none of the
+    model's parameters while the model has some is different: it was built before they were
+    replaced (or belongs to another model), a bug that _optimizers_holding_none reports; its
+    tensors are not watched."""
     names, params, opt_index, group_index = [], [], [], []
     where = {}  # id(param) -> (optimizer, group)
     for k, opt in enumerate(optimizers):
@@ -49,7 +70,30 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
         k, gi = where.get(id(p), (-1, 0))
         opt_index.append(k)
         group_index.append(gi)
-    return names, params, opt_index, group_index
+    own = {id(p) for p in params}
+    stale = {k for k, opt in enumerate(optimizers) if own and not any(
+        id(p) in own for g in opt.param_groups for p in g["params"])}
+    script = None
+    outside = []
+    for k, opt in enumerate(optimizers):
+        if k in stale:
+            continue
+        for gi, g in enumerate(opt.param_groups):
+            for i, p in enumerate(g["params"]):
+                if id(p) in own or not isinstance(p, torch.Tensor):
+                    continue
+                own.add(id(p))
+                if script is None:
+                    script = script_names(torch.Tensor)
+                name = script.get(id(p), f"optimizer{k}.group{gi}.param{i}")
+                while name in names:
+                    name += "_"
+                names.append(name)
+                params.append(p)
+                opt_index.append(k)
+                group_index.append(gi)
+                outside.append(name)
+    return names, params, opt_index, group_index, outside
 
 
 def _mode_dependent(m: torch.nn.Module) -> bool:
@@ -247,6 +291,7 @@ def _skip_frames() -> list:
     return [
         os.path.join(here, "sanitizer.py"),
         os.path.join(here, "_hooks.py"),
+        os.path.join(here, "_faults.py"),
         os.path.join(here, "_gatherers.py"),
         os.path.join(here, "_attach.py"),
         os.path.join(here, "audit.py"),

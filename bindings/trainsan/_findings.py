@@ -121,6 +121,11 @@ def summary_text(step: int, findings: list, c: dict) -> str:
         )
     for kind, why in c["unchecked"].items():
         lines.append(f"  not checked: {kind}: {why}")
+    if c.get("fault"):
+        lines.append(f"  stopped: {c['fault']}")
+    if c.get("unread"):
+        lines.append("  not read: " + ", ".join(c["unread"]) + " (a dtype the statistics pass "
+                     "does not read: no value check covers them)")
     if c.get("trace_error"):
         lines.append(f"  trace: {c['trace_error']}")
     for o in c["outside_model"]:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from . import _compile
+from ._faults import absorb
 from ._patches import Patch
 
 _EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
@@ -113,10 +114,18 @@ def _weak_method(bound) -> Any:
     handed to objects that process-wide state may hold (a pushed TorchFunctionMode, saved-tensor
     hooks, the Function.apply patch)."""
     ref = weakref.WeakMethod(bound)
+    where = bound.__name__.lstrip("_")
 
     def call(*args: Any, **kwargs: Any) -> Any:
         m = ref()
-        return None if m is None else m(*args, **kwargs)
+        if m is None or getattr(m.__self__, "_fault", None) is not None:
+            return None
+        try:
+            return m(*args, **kwargs)
+        except Exception as exc:
+            if not absorb(m.__self__, where, exc):  # Note [Faults] (_faults.py)
+                raise
+            return None
 
     return call
 

@@ -8,7 +8,6 @@ import gc
 import os
 import sys
 import threading
-import types
 import warnings
 import weakref
 from typing import Any, Optional
@@ -23,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import trainsan
 
 from . import _compile, _patches
+from ._facts import script_names
 from ._gatherers import RootlessForwards
 
 # -- pairing optimizers with models ---------------------------------------------------------------
@@ -131,9 +131,7 @@ class _Roots(torch.nn.Module):
 
 
 def _root_names(roots: list) -> list:
-    main = vars(sys.modules.get("__main__", types.ModuleType("__main__")))
-    by_id = {id(v): k for k, v in list(main.items())
-             if isinstance(v, torch.nn.Module) and k.isidentifier() and not k.startswith("_")}
+    by_id = script_names(torch.nn.Module)
     names, used = [], set()
     for k, m in enumerate(roots):
         name = by_id.get(id(m)) or f"{type(m).__name__.lower()}{k}"
@@ -353,7 +351,9 @@ class Pairer:
         lines = []
         covered = set()
         for p in self._active():
-            covered |= p.ids
+            # the model's parameters, and the tensors its sanitizer watches beside them (Note
+            # [Tensors outside the model] in _facts.py)
+            covered |= p.ids | getattr(p.san, "_param_ids", set())
         for opt, n in sorted(list(self._order.items()), key=lambda t: t[1]):
             held = _held(opt)
             if opt in self._orphans or opt in self._retired:

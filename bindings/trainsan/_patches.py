@@ -394,7 +394,7 @@ def backward_seen(tensors: Any, sanitizers: Optional[list] = None) -> None:
         if _graphless(tensors):
             for san in sanitizers if sanitizers is not None else open_sanitizers():
                 if not san._closed:
-                    san._apply(san._handle.backward_without_graph())
+                    san._backward_without_graph()
         else:
             _watch_roots(tensors)
     except TrainingBugError:

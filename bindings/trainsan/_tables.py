@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from typing import Any
 
@@ -54,21 +55,43 @@ def enabled(kind: str, checks: dict) -> bool:
     return bool(checks.get(kind, KIND_ON[kind]))
 
 
-def option_str(v: Any) -> str:
-    """An option's value as the C++ option table parses it."""
+_TYPE_TEXT = {str: "a str (or a path)", int: "an int", float: "a number (or None, read as 0)", bool: "a bool"}
+
+
+def _has_type(v: Any, want: type) -> bool:
+    if want is bool:
+        return isinstance(v, bool)
+    if want is int:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    if want is float:
+        return v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+    return isinstance(v, (str, os.PathLike))
+
+
+def option_str(name: str, v: Any) -> str:
+    """Option `name`'s value as the C++ option table parses it (its range is checked there); a
+    value of another type than the option's is a TypeError naming it."""
+    want = type(OPTIONS[name])
+    if not _has_type(v, want):
+        raise TypeError(f"trainsan: option {name} takes {_TYPE_TEXT[want]}, got {v!r} "
+                        f"({type(v).__name__})")
     if v is None:
         return "0"  # overhead_budget=None, grad_explosion_limit=None: none
     if isinstance(v, bool):
         return "true" if v else "false"
-    return str(v)
+    return repr(float(v)) if want is float else str(int(v)) if want is int else os.fspath(v)
 
 
 def option_strings(options: dict, policy: str, trace: Any, checks: dict) -> dict:
-    """attach()'s options, policy, trace and checks as the C++ sanitizer takes them."""
-    opts = {k: option_str(v) for k, v in options.items()}
+    """attach()'s options, policy, trace and checks as the C++ sanitizer takes them; a value of
+    the wrong type (an option's, or a check's that is not a bool) is a TypeError naming it."""
+    opts = {k: option_str(k, v) for k, v in options.items()}
     opts["policy"] = policy
     if trace:
         opts["trace"] = os.fspath(trace)
     for kind, on in checks.items():
-        opts["check." + kind] = option_str(bool(on))
+        if not isinstance(on, bool):
+            raise TypeError(f"trainsan: checks[{kind!r}] must be True or False, got {on!r} "
+                            f"({type(on).__name__})")
+        opts["check." + kind] = "true" if on else "false"
     return opts

@@ -85,8 +85,9 @@ def _parser() -> tuple[argparse.ArgumentParser, set]:
             flag, dest=name, default=None,
             metavar=None if choice else "PATH" if name == "trace" else name.upper(),
             type={"int": int, "float": float}.get(typ, str),
-            choices=choice.split("|") if choice else None,
-            help=f"{doc} (default: {default or 'none'})",
+            choices=choice.split("|") if choice and typ == "str" else None,
+            help=f"{doc} (default: {default or 'none'}"
+            + (f"; range {choice})" if choice and typ != "str" else ")"),
         )
         takes_value.add(flag)
     group.add_argument(

@@ -26,6 +26,7 @@ from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _gro
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
                      outside_model)
 from ._attach_order import _GOES_ON, _user_stacklevel, rebind
+from ._faults import absorb, entry, fault_text, warn_fault
 from ._findings import (Finding, TrainingBugError, TrainingBugWarning, merge_findings,
                         summary_text)
 from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
@@ -106,10 +107,12 @@ class Sanitizer:
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
-        names, params, opt_index, group_index = _param_table(model, self._optimizers)
+        self._fault: Optional[str] = None  # Note [Faults] (_faults.py): why it stopped checking
+        names, params, opt_index, group_index, outside = _param_table(model, self._optimizers)
         if not params:
             raise ValueError(
-                "trainsan.attach: the model has no parameters; attach to the module you train"
+                "trainsan.attach: the model has no parameters and no optimizer trains any "
+                "tensor; attach to the module you train, with its optimizer"
             )
         opts = option_strings(options, policy, trace, checks)
         holding_none = _optimizers_holding_none(self._optimizers, params)
@@ -155,6 +158,12 @@ class Sanitizer:
         for msg in holding_none:
             self._note("optimizer_holds_none",
                        msg + _GOES_ON["optimizer_holds_none"].format(policy=policy))
+        if outside:  # Note [Tensors outside the model] (_facts.py)
+            shown = ", ".join(outside[:8]) + (", ..." if len(outside) > 8 else "")
+            self._note("outside_model",
+                       f"trainsan.attach: the optimizer trains {len(outside)} tensor(s) the "
+                       f"attached {type(model).__name__} does not hold ({shown}): watched as "
+                       "its parameters, under these names")
         hooks = Hooks()
         self._parts.append(hooks)
         for k, p in enumerate(params):
@@ -206,8 +215,9 @@ class Sanitizer:
         self._param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
         self._opt_index = list(opt_index)
-        self._parts.append(ParamsLive(model, self._tracked,  # at the first step
-                                      _weak_method(self._params_replaced)))
+        # At the first step; the tensors watched from outside the model are not its parameters.
+        own = self._tracked[:len(self._tracked) - len(outside)]
+        self._parts.append(ParamsLive(model, own, _weak_method(self._params_replaced)))
         self._parts.append(Held(_loss_patch))
         self._parts.append(Held(_save_patch))
         _patches.register(self)
@@ -259,6 +269,18 @@ class Sanitizer:
 
     # -- attach order (Note [Attach order]) --------------------------------------------------------
 
+    def _on_fault(self, where: str, exc: Exception) -> None:
+        """Note [Faults]: TrainSan's own code failed in the loop; it stops checking, told once."""
+        if self._fault is not None:
+            return
+        step = int(self._handle.step()) if hasattr(self, "_handle") else 0
+        self._fault = fault_text(where, step, exc)
+        warn_fault(self._fault)
+        try:
+            self._note("fault", self._fault)
+        except Exception:  # noqa: BLE001 - the trace may be what failed
+            pass
+
     def _note(self, about: str, message: str, **extra: Any) -> None:
         """A note: a trace record, listed by summary() and coverage(); warned under "warn"."""
         if any(n["about"] == about and n["message"] == message for n in self._notes):
@@ -292,6 +314,7 @@ class Sanitizer:
             if ACTIONS[action] == "warn":
                 warnings.warn(t[4], TrainingBugWarning, stacklevel=3)
 
+    @entry
     def _on_forward(self, module, args, kwargs):
         if self._closed or self._in_compiled:
             return None  # (a compiled call's entry reported this forward: Note [Compiled regions])
@@ -334,6 +357,7 @@ class Sanitizer:
     def _add_py(self, seconds: float) -> None:
         self._py_overhead += seconds
 
+    @entry
     def _pre_step(self, k: int, opt, args, kwargs):
         if _scaler_found_inf(opt):
             # GradScaler.step calls a fused optimizer's step even when it found Inf/NaN (the
@@ -382,6 +406,7 @@ class Sanitizer:
             self._unsharded_ids = _fsdp_unsharded_ids(self._model)
         return self._unsharded_ids
 
+    @entry
     def _post_step(self, k: int, opt, args, kwargs):
         if k in self._amp_skipping:
             self._amp_skipping.discard(k)
@@ -425,6 +450,7 @@ class Sanitizer:
             self._py_overhead += time.perf_counter() - t0
         self._apply(reports)
 
+    @entry
     def _check_save(self, obj, f) -> None:
         """torch.save(obj, f) while attached (Note [Checkpoint checks]): judged before writing
         when obj holds this model's tensors."""
@@ -437,6 +463,7 @@ class Sanitizer:
         self._py_overhead += time.perf_counter() - t0
         self._apply(self._handle.checkpoint(facts.fields()))
 
+    @entry
     def _activation(self, name: str, module, args, output):
         if self._closed or not torch.is_grad_enabled():
             return
@@ -444,9 +471,11 @@ class Sanitizer:
         if outs:
             self._apply(self._handle.module_output(name, type(module).__name__, outs))
 
+    @entry
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
         self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
 
+    @entry
     def _gradients_cleared(self, opt) -> None:
         """zero_grad of optimizer `opt` (None: of the model) is about to run (Note [Discarded
         gradients])."""
@@ -468,6 +497,7 @@ class Sanitizer:
             self._py_overhead += time.perf_counter() - t0
         self._apply(self._hot.gradients_cleared(k))
 
+    @entry
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
         """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
         if self._closed or opt not in self._optimizers:
@@ -495,6 +525,11 @@ class Sanitizer:
             pass
         return True
 
+    @entry
+    def _backward_without_graph(self) -> None:
+        self._apply(self._handle.backward_without_graph())
+
+    @entry
     def _auto_loss(self, loss: torch.Tensor) -> None:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
         if self._closed:
@@ -569,15 +604,19 @@ class Sanitizer:
         """What was checked so far: counts (``steps_checked``, ``update_steps``,
         ``update_period``, ``training_forwards``, ``other_forwards``, ``losses_checked``,
         ``inputs_fingerprinted``, ``audited_forwards``, ``ops_audited``), ``unchecked``:
-        ``{kind: reason}`` for the enabled checks that never had what they need, and
+        ``{kind: reason}`` for the enabled checks that never had what they need, ``fault``: why
+        TrainSan stopped checking (its own error in the loop, Note [Faults]; None), ``unread``:
+        the parameters of a dtype the statistics pass does not read (``"name (dtype)"``), and
         ``outside_model``: per attached optimizer holding parameters that are not the model's,
         ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
-        counts, kinds, reasons, trace_error = self._handle.coverage()
+        counts, kinds, reasons, trace_error, unread = self._handle.coverage()
         out = dict(counts)
         for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
             out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
         out["trace_error"] = trace_error or None
+        out["unread"] = list(unread)
+        out["fault"] = self._fault
         out["outside_model"] = outside_model(self._optimizers, self._param_ids)
         if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (
@@ -615,9 +654,13 @@ class Sanitizer:
                 found += part.close()
             except Exception as exc:  # noqa: BLE001 - re-raised below
                 error = error or exc
-        if error is not None:
-            raise error
-        self._apply(found + list(self._handle.close()))
+        try:
+            if error is not None:
+                raise error
+            self._apply(found + list(self._handle.close()))
+        except Exception as exc:
+            if not hasattr(self, "_handle") or not absorb(self, "close", exc):
+                raise  # (no handle: an attach that failed, closed by __del__)
 
     @property
     def closed(self) -> bool:

@@ -106,11 +106,11 @@ def _check(tensors: object, fn: str) -> list[torch.Tensor]:
                 f"{fn}: tensors[{i}] is on device {t.device}; only CPU and CUDA tensors are "
                 "supported"
             )
-        if t.dtype not in _SUPPORTED:
+        if t.dtype not in _SUPPORTED and not t.is_complex():
             raise TypeError(
                 f"{fn}: tensors[{i}] has dtype {t.dtype}, which is not supported (supported: "
                 + ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED)
-                + ")"
+                + ", and complex ones, read as their real and imaginary parts)"
             )
     return out
 

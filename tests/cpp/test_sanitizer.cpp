@@ -4,11 +4,13 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -412,6 +414,36 @@ TEST(Sanitizer, Fp16OverflowFromLibTorchUnderCpuAutocast) {
   }
 }
 
+// Issue 39: a complex parameter trained with Adam under "record" (the step used to dereference an
+// empty optional: "unknown dtype code <garbage>"), and a float8 one left out and named.
+TEST(Sanitizer, ComplexParametersTrainAndUnreadDtypesAreNamed) {
+  torch::manual_seed(0);
+  torch::Tensor w = torch::randn({8, 3}, torch::kComplexFloat).mul_(0.3).requires_grad_();
+  torch::Tensor frozen = torch::zeros({4}).to(torch::kFloat8_e4m3fn);
+  std::vector<trainsan::Parameter> ps;
+  ps.push_back({"w", w, /*optimizer=*/0});
+  ps.push_back({"frozen", frozen, /*optimizer=*/-1});
+  trainsan::Sanitizer san(std::move(ps), record());
+  torch::optim::Adam opt({w}, torch::optim::AdamOptions(1e-2));
+  for (int i = 0; i < 12; ++i) {
+    const Batch b = batch(i);
+    opt.zero_grad();
+    san.begin_step({b.x, b.y});
+    auto loss =
+        torch::nn::functional::cross_entropy(b.x.to(torch::kComplexFloat).matmul(w).abs(), b.y);
+    san.watch_loss(loss);
+    loss.backward();
+    opt.step();
+    san.end_step();
+  }
+  san.close();
+  for (const auto& f : san.findings()) EXPECT_NE(f.severity, "error") << f.message;
+  const trainsan::Coverage c = san.coverage();
+  EXPECT_EQ(c.steps_checked, 12);
+  ASSERT_EQ(c.unread.size(), 1u);
+  EXPECT_EQ(c.unread[0], "frozen (float8_e4m3fn)");
+}
+
 TEST(Sanitizer, UnknownOrUnimplementedCheckIsAnError) {
   torch::manual_seed(0);
   Net net;
@@ -424,6 +456,75 @@ TEST(Sanitizer, UnknownOrUnimplementedCheckIsAnError) {
   }
 }
 
+// Every numeric option of options.def, at each side of its range: the bound itself where the
+// range holds it, the nearest value beyond it refused with a message naming option, range and
+// value (set by name, and a field set directly is refused by validate()). NaN is always refused.
+TEST(Sanitizer, EveryOptionIsCheckedAgainstItsRange) {
+  int numeric = 0;
+  for (const trainsan::OptionInfo& info : trainsan::option_table()) {
+    const std::string type = info.type;
+    if (type != "int" && type != "float") continue;
+    ++numeric;
+    const std::string range = info.choices;
+    ASSERT_GE(range.size(), 5u) << info.name;
+    const size_t comma = range.find(',');
+    const double lo = std::stod(range.substr(1, comma - 1));
+    const double hi = std::stod(range.substr(comma + 1, range.size() - comma - 2));
+    const bool lo_open = range.front() == '(', hi_open = range.back() == ')';
+    auto text = [&](double v) {
+      std::ostringstream os;
+      os.precision(17);
+      os << v;
+      return os.str();
+    };
+    auto refused = [&](double v) {
+      trainsan::Options o;
+      const std::string msg = error_text([&] { o.set(info.name, text(v)); });
+      EXPECT_TRUE(contains(msg, info.name) && contains(msg, range))
+          << info.name << "=" << v << ": " << msg;
+    };
+    auto accepted = [&](double v) {
+      trainsan::Options o;
+      EXPECT_NO_THROW(o.set(info.name, text(v))) << info.name << "=" << v;
+    };
+    const double step = type == "int" ? 1.0 : 1e-9 * std::max(1.0, std::abs(lo));
+    if (std::isfinite(lo)) {
+      if (lo_open) {
+        refused(lo);
+        accepted(type == "int" ? lo + 1 : lo + step);
+      } else {
+        accepted(lo);
+        refused(lo - step);
+      }
+    }
+    if (std::isfinite(hi)) {
+      const double hstep = type == "int" ? 1.0 : 1e-9 * std::max(1.0, std::abs(hi));
+      if (hi_open) {
+        refused(hi);
+        if (!(std::isfinite(lo) && hi - hstep <= lo)) accepted(hi - hstep);
+      } else {
+        accepted(hi);
+        refused(hi + hstep);
+      }
+    } else if (!hi_open) {
+      accepted(hi);  // "inf]": infinity allowed
+    } else {
+      refused(hi);  // "inf)": infinity refused
+    }
+    if (type == "float") refused(std::nan(""));
+  }
+  EXPECT_GT(numeric, 30);
+  // A field set directly is refused when the sanitizer validates its options.
+  trainsan::Options direct;
+  direct.loss_spike_factor = -5;
+  const std::string msg = error_text([&] { direct.validate(); });
+  EXPECT_TRUE(contains(msg, "loss_spike_factor") && contains(msg, "(0, inf)")) << msg;
+  trainsan::Options band;
+  band.update_ratio_low = 2;
+  band.update_ratio_high = 1;
+  EXPECT_TRUE(contains(error_text([&] { band.validate(); }), "update_ratio_low"));
+}
+
 TEST(Sanitizer, OptionsParseClampAndSerialise) {
   trainsan::Options o;
   EXPECT_THROW(o.set("check.x", "maybe"), c10::ValueError);
@@ -432,8 +533,11 @@ TEST(Sanitizer, OptionsParseClampAndSerialise) {
   EXPECT_FALSE(o.enabled("stale_grad"));
   EXPECT_TRUE(o.enabled("grad_explosion"));
   EXPECT_FALSE(o.enabled("nonfinite_activation"));
-  o.set("trace_every", "0");
-  EXPECT_EQ(o.trace_every, 1);  // raised to its minimum (options.def)
+  const std::string below = error_text([&] { o.set("trace_every", "0"); });
+  EXPECT_TRUE(contains(below, "trace_every") && contains(below, "[1, inf)") &&
+              contains(below, "got 0"))
+      << below;
+  EXPECT_EQ(o.trace_every, 1);  // unchanged by the refused value
   o.set("trace_every", "7");
   EXPECT_EQ(o.trace_every, 7);
   EXPECT_THROW(o.set("trace_every", "-1"), c10::ValueError);

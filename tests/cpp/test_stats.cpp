@@ -194,6 +194,37 @@ std::vector<at::Tensor> sizes_and_views(uint64_t seed) {
   return ts;
 }
 
+// Note [Dtypes the pass reads]: a complex tensor is read as its real view (the same figures, bit
+// for bit, as the view_as_real tensor); a dtype the pass does not read is a c10::TypeError naming
+// it, never a descriptor with an undefined dtype code (issue 39: the code read an empty optional).
+TEST(TensorStats, ComplexIsReadAsItsPartsAndOtherDtypesAreRefused) {
+  at::manual_seed(3);
+  at::Tensor z = at::randn({33, 7}, at::kComplexFloat);
+  z.view_as_real().index_put_({5, 2, 0}, std::numeric_limits<float>::quiet_NaN());
+  const auto got = trainsan::tensor_stats({z, z.to(at::kComplexDouble)});
+  const auto want =
+      trainsan::tensor_stats({at::view_as_real(z), at::view_as_real(z).to(at::kDouble)});
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(got[k].numel, 2 * z.numel());
+    EXPECT_EQ(got[k].nan, 1);
+    EXPECT_EQ(got[k].hash, want[k].hash);
+    EXPECT_EQ(got[k].l2, want[k].l2);
+    EXPECT_EQ(got[k].absmax, want[k].absmax);
+  }
+  for (const auto st :
+       {at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kUInt16, at::kUInt32, at::kUInt64}) {
+    const at::Tensor t = at::zeros({4}, at::kFloat).to(st);
+    try {
+      trainsan::tensor_stats({at::zeros({2}), t});
+      ADD_FAILURE() << "no error for " << st;
+    } catch (const c10::TypeError& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("tensors[1]"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("not supported"), std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(TensorStats, GradientStatsAreTheLeanColumns) {
   std::vector<at::Tensor> ts = sizes_and_views(7);
   // Blocks with no special value (the ordinary path), with zeros, and all-special tensors.

@@ -284,7 +284,7 @@ def test_options_and_switches():
     model = nn.Linear(4, 1)
     with pytest.raises(ValueError, match="audit_every"):
         trainsan.attach(model, audit_every=-1)
-    with pytest.raises(ValueError, match="audit_first_steps"):
+    with pytest.raises(TypeError, match="audit_first_steps takes an int"):
         trainsan.attach(model, audit_first_steps="many")
 
 

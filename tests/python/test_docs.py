@@ -46,7 +46,7 @@ def test_a_new_row_makes_the_docs_stale_until_regenerated(tmp_path):
     options = root / "host/include/trainsan/options.def"
     options.write_text(options.read_text(encoding="utf-8").replace(
         "TRAINSAN_OPTION_BOOL(sync,",
-        'TRAINSAN_OPTION_INT(example_option, 7, 2, "an example option")\n'
+        'TRAINSAN_OPTION_INT(example_option, 7, "[2, inf)", "an example option")\n'
         "TRAINSAN_OPTION_BOOL(sync,"), encoding="utf-8")
     r = _gen("--check", root=root)
     assert r.returncode == 1
@@ -62,7 +62,7 @@ def test_a_new_row_makes_the_docs_stale_until_regenerated(tmp_path):
     assert kinds_md.split("<!-- kinds:end -->")[1] == before.split("<!-- kinds:end -->")[1]
     assert "`example_kind`" in (root / "README.md").read_text(encoding="utf-8")
     options_md = (root / "docs/options.md").read_text(encoding="utf-8")
-    assert "| `example_option` | int | `7` | ≥ 2 | an example option |" in options_md
+    assert "| `example_option` | int | `7` | `[2, inf)` | an example option |" in options_md
     assert options_md.index("`example_option`") < options_md.index("| `sync`")
 
 

@@ -35,6 +35,9 @@ struct Coverage {
   int64_t trace_rows_steps = 0;
   int64_t trace_bytes = 0;
   std::string trace_error;
+  /// Parameters whose dtype the statistics pass does not read (float8, uint16, ...), as
+  /// "name (dtype)": left out of every check that reads values (Note [Dtypes the pass reads]).
+  std::vector<std::string> unread;
   /// Enabled kinds that never had what they need, with the reason.
   std::vector<std::pair<std::string, std::string>> unchecked;
 };

@@ -13,8 +13,8 @@ namespace trainsan {
 /// docs/options.md.
 struct Options {
 #define TRAINSAN_OPTION_STR(name, def, choices, doc) std::string name = def;
-#define TRAINSAN_OPTION_INT(name, def, min, doc) int64_t name = def;
-#define TRAINSAN_OPTION_REAL(name, def, doc) double name = def;
+#define TRAINSAN_OPTION_INT(name, def, range, doc) int64_t name = def;
+#define TRAINSAN_OPTION_REAL(name, def, range, doc) double name = def;
 #define TRAINSAN_OPTION_BOOL(name, def, doc) bool name = def;
 #include "trainsan/options.def"
 #undef TRAINSAN_OPTION_STR
@@ -42,7 +42,7 @@ struct OptionInfo {
   const char* name;
   const char* type;           ///< "str", "int", "float" or "bool"
   std::string default_value;  ///< text form, as set() takes it
-  const char* choices;        ///< "a|b|c" for a string with fixed choices, else ""
+  const char* choices;  ///< "a|b|c" for a string with fixed choices; the range of a number, "[1, inf)"
   const char* doc;
 };
 const std::vector<OptionInfo>& option_table();
