@@ -137,7 +137,7 @@ def test_bad_arguments_give_clear_errors(tmp_path):
         trainsan.attach(model, opt, checks={"nan_everywhere": True})
     with pytest.raises(ValueError, match="policy"):
         trainsan.attach(model, opt, policy="explode")
-    with pytest.raises(ValueError, match="expects a number"):
+    with pytest.raises(TypeError, match="grad_explosion_factor takes a number"):
         trainsan.attach(model, opt, grad_explosion_factor="big")
     with pytest.raises(ValueError, match="trace file"):
         trainsan.attach(model, opt, trace=tmp_path / "no" / "such" / "dir" / "t.jsonl")

@@ -33,7 +33,7 @@ def ids(dtype):
 
 
 def _unsupported_dtypes():
-    names = ["complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn",
+    names = ["uint16", "uint32", "uint64", "float8_e4m3fn",
              "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
 
@@ -41,7 +41,7 @@ def _unsupported_dtypes():
 @pytest.mark.parametrize("dtype", _unsupported_dtypes(), ids=ids)
 @pytest.mark.parametrize("fn", [trainsan.tensor_stats, trainsan.tensor_stats_async])
 def test_unsupported_dtype(fn, dtype):
-    bad = torch.zeros(3).to(dtype) if dtype.is_complex else torch.zeros(3, dtype=dtype)
+    bad = torch.zeros(3, dtype=dtype)
     with pytest.raises(TypeError, match=r"tensors\[2\].*" + str(dtype).replace("torch.", "")):
         fn([torch.ones(2), torch.ones(2, dtype=torch.int8), bad])
 
@@ -86,8 +86,8 @@ def test_not_a_list(arg):
 
 
 def test_raw_op_names_the_element():
-    with pytest.raises(TypeError, match=r"tensors\[1\].*ComplexFloat"):
-        torch.ops.trainsan.tensor_stats([torch.ones(2), torch.ones(2, dtype=torch.complex64)])
+    with pytest.raises(TypeError, match=r"tensors\[1\].*Float8_e4m3fn"):
+        torch.ops.trainsan.tensor_stats([torch.ones(2), torch.ones(2).to(torch.float8_e4m3fn)])
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
