@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <fstream>
 #include <tuple>
 
@@ -602,6 +603,7 @@ Coverage SanitizerImpl::coverage_now() const {
   c.trace_bytes = trace.bytes();
   c.trace_error = trace.error();
   c.unread = unread;
+  c.fault = fault;
   const bool attached = setup.binding != nullptr;
   const std::string no_forward =
       attached ? "no training forward was seen: no op read a parameter of the model together with "
@@ -661,18 +663,33 @@ Coverage SanitizerImpl::coverage_now() const {
 
 void SanitizerImpl::close() {
   if (closed) return;
-  if (watch) watch->disarm();
-  audit->close();
-  readback.drain_all();
-  checks.loss.flush();             // losses whose step never ended
-  checks.accumulation.on_close();  // a short window pending: the run's last
-  if (replica_driver) replica_driver->finish();
-  grads.remove();
+  // Every part is closed, the hooks removed and the summary written even when a part before it
+  // fails (Note [Faults] in sanitizer_api.cpp); the first failure is raised at the end.
+  std::exception_ptr first;
+  auto part = [&first](auto&& fn) {
+    try {
+      fn();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  };
+  part([&] {
+    if (watch) watch->disarm();
+  });
+  part([&] { audit->close(); });
+  part([&] { readback.drain_all(); });
+  part([&] { checks.loss.flush(); });             // losses whose step never ended
+  part([&] { checks.accumulation.on_close(); });  // a short window pending: the run's last
+  part([&] {
+    if (replica_driver) replica_driver->finish();
+  });
+  part([&] { grads.remove(); });
   begin_rows.clear();
   closed = true;
-  add_outside(audit->take_overhead());
-  write_summary();
+  part([&] { add_outside(audit->take_overhead()); });
+  part([&] { write_summary(); });
   trace.close();
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace host

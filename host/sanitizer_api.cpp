@@ -20,6 +20,39 @@ std::vector<Parameter> in_one_optimizer(const Sanitizer::NamedTensors& named) {
   return out;
 }
 
+// Note [Faults] (C++ side; bindings/trainsan/_faults.py says it for Python): an exception out of
+// TrainSan's own code in an event is the run's under policy "raise"; under "warn" and "record" it
+// is told once (TORCH_WARN), kept in coverage().fault and the trace summary, and every later event
+// returns at once (a half-done step would only make false findings), so the loop goes on.
+// close() still closes every part. A TrainingBugError (the policy's answer) and device_stop's stop
+// (an option's) always pass.
+bool absorbed(host::SanitizerImpl& impl, const char* where, const std::exception& e) {
+  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+  const std::string what = c10e != nullptr ? c10e->what_without_backtrace() : e.what();
+  if (impl.opts.policy == "raise" || what.rfind("trainsan: device_stop:", 0) == 0) return false;
+  if (impl.fault.empty()) {
+    impl.fault = std::string("trainsan: internal error in ") + where + " at step " +
+                 std::to_string(impl.step) + ": " + what +
+                 ". TrainSan stopped checking this run and the job goes on; please report it "
+                 "with this message (policy \"raise\" raises such errors)";
+    TORCH_WARN(impl.fault);
+  }
+  return true;
+}
+
+// Runs an event's body under Note [Faults].
+template <class F>
+void guarded(host::SanitizerImpl& impl, const char* where, F&& body) {
+  if (!impl.fault.empty()) return;
+  try {
+    body();
+  } catch (const TrainingBugError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (!absorbed(impl, where, e)) throw;
+  }
+}
+
 }  // namespace
 
 Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
@@ -74,125 +107,154 @@ void Sanitizer::report() {
 
 void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
                            const std::vector<bool>& module_eval) {
-  if (impl_->watch) {
-    // trainsan::attach: the forward is seen by the watch, with its own grad mode and the modules'
-    // modes; these inputs are fingerprinted then.
-    impl_->pending_inputs = inputs;
-    impl_->watch->arm();
-    return;
-  }
-  impl_->check_updates_outside_step(-1);
-  report();
-  if (rerun_due()) impl_->capture_rerun_start();
-  impl_->capture_error_start(inputs);
-  ForwardFacts f;
-  f.inputs = inputs;
-  f.module_eval = module_eval;
-  forward(f);
+  guarded(*impl_, "begin_step", [&] {
+    if (impl_->watch) {
+      // trainsan::attach: the forward is seen by the watch, with its own grad mode and the modules'
+      // modes; these inputs are fingerprinted then.
+      impl_->pending_inputs = inputs;
+      impl_->watch->arm();
+      return;
+    }
+    impl_->check_updates_outside_step(-1);
+    report();
+    if (rerun_due()) impl_->capture_rerun_start();
+    impl_->capture_error_start(inputs);
+    ForwardFacts f;
+    f.inputs = inputs;
+    f.module_eval = module_eval;
+    forward(f);
+  });
 }
 
 void Sanitizer::watch_loss(const at::Tensor& loss) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  impl_->loss(loss);
-  report();
+  guarded(*impl_, "watch_loss", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    impl_->loss(loss);
+    report();
+  });
 }
 
 void Sanitizer::end_step(bool lr_zero) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  impl_->scaler_skipped = false;  // a skip reported before it is this iteration's (resolved then)
-  if (!impl_->watch) {
-    step_end(0, lr_zero);
-    return;
-  }
-  impl_->end_iteration(/*backward_ran=*/false);
-  report();
+  guarded(*impl_, "end_step", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    impl_->scaler_skipped = false;  // a skip reported before it is this iteration's (resolved then)
+    if (!impl_->watch) {
+      step_end(0, lr_zero);
+      return;
+    }
+    impl_->end_iteration(/*backward_ran=*/false);
+    report();
+  });
 }
 
 void Sanitizer::end_step(const at::Tensor& loss) { end_step(std::vector<at::Tensor>{loss}); }
 
 void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  if (impl_->closed) return;
-  bool backward_ran = false;
-  for (const at::Tensor& loss : losses) {
-    if (!loss.defined()) continue;
-    impl_->loss(loss);
-    backward_ran = backward_ran || loss.requires_grad();
-  }
-  // A loss scaler reports its step before end_step: a skip since the last step end was this
-  // iteration's, and its losses are given only now (Note [Loss stream]).
-  if (impl_->scaler_skipped) impl_->loss_outcome(/*skipped=*/true);
-  impl_->scaler_skipped = false;
-  if (impl_->watch) {
-    impl_->end_iteration(backward_ran);
-  } else {
-    impl_->step_end(0, /*lr_zero=*/false, /*manual=*/false);
-  }
-  report();
+  guarded(*impl_, "end_step", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    if (impl_->closed) return;
+    bool backward_ran = false;
+    for (const at::Tensor& loss : losses) {
+      if (!loss.defined()) continue;
+      impl_->loss(loss);
+      backward_ran = backward_ran || loss.requires_grad();
+    }
+    // A loss scaler reports its step before end_step: a skip since the last step end was this
+    // iteration's, and its losses are given only now (Note [Loss stream]).
+    if (impl_->scaler_skipped) impl_->loss_outcome(/*skipped=*/true);
+    impl_->scaler_skipped = false;
+    if (impl_->watch) {
+      impl_->end_iteration(backward_ran);
+    } else {
+      impl_->step_end(0, /*lr_zero=*/false, /*manual=*/false);
+    }
+    report();
+  });
 }
 
 void Sanitizer::forward(const ForwardFacts& facts) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  impl_->forward(facts);
-  report();
+  guarded(*impl_, "forward", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    impl_->forward(facts);
+    report();
+  });
 }
 
-void Sanitizer::foreign_backward(const ForeignBackward& facts) { impl_->foreign_backward(facts); }
+void Sanitizer::foreign_backward(const ForeignBackward& facts) {
+  guarded(*impl_, "foreign_backward", [&] { impl_->foreign_backward(facts); });
+}
 
 bool Sanitizer::foreign_suspected() const {
   return !impl_->closed && impl_->checks.flow.foreign_suspected();
 }
 
 void Sanitizer::backward_without_graph() {
-  impl_->backward_without_graph();
-  report();
+  guarded(*impl_, "backward_without_graph", [&] {
+    impl_->backward_without_graph();
+    report();
+  });
 }
 
 void Sanitizer::step_begin(int64_t opt, bool grads_final) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  impl_->grads.set_in_step(true);
-  impl_->record_versions(opt);
-  impl_->read_grads_at_begin(opt, grads_final);  // Note [Gradients read at the step's beginning]
-  impl_->check_updates_outside_step(opt);
-  impl_->stop_before_step(opt);
-  report();
+  guarded(*impl_, "step_begin", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    impl_->grads.set_in_step(true);
+    impl_->record_versions(opt);
+    impl_->read_grads_at_begin(opt, grads_final);  // Note [Gradients read at the step's beginning]
+    impl_->check_updates_outside_step(opt);
+    impl_->stop_before_step(opt);
+    report();
+  });
 }
 
 void Sanitizer::step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
-  report();
+  guarded(*impl_, "step_end", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
+    report();
+  });
 }
 
 void Sanitizer::step_in_flight(int64_t opt) {
-  if (impl_->closed) return;
-  impl_->grads.set_in_step(true);
-  if (std::find(impl_->in_flight.begin(), impl_->in_flight.end(), opt) == impl_->in_flight.end()) {
-    impl_->in_flight.push_back(opt);
-  }
+  guarded(*impl_, "step_in_flight", [&] {
+    if (impl_->closed) return;
+    impl_->grads.set_in_step(true);
+    if (std::find(impl_->in_flight.begin(), impl_->in_flight.end(), opt) ==
+        impl_->in_flight.end()) {
+      impl_->in_flight.push_back(opt);
+    }
+  });
 }
 
-void Sanitizer::loss_targets(const std::vector<at::Tensor>& targets) { impl_->targets(targets); }
+void Sanitizer::loss_targets(const std::vector<at::Tensor>& targets) {
+  guarded(*impl_, "loss_targets", [&] { impl_->targets(targets); });
+}
 
 void Sanitizer::amp_skip(int64_t opt) {
-  ScalerStep s;
-  s.opt = opt;
-  s.skipped = true;
-  scaler_step(s);
+  guarded(*impl_, "amp_skip", [&] {
+    ScalerStep s;
+    s.opt = opt;
+    s.skipped = true;
+    scaler_step(s);
+  });
 }
 
 void Sanitizer::gradients_cleared(int64_t opt) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  if (impl_->closed) return;
-  impl_->gradients_cleared(opt);
-  report();
+  guarded(*impl_, "gradients_cleared", [&] {
+    const host::OwnClock clock(*impl_);  // Note [Own time]
+    if (impl_->closed) return;
+    impl_->gradients_cleared(opt);
+    report();
+  });
 }
 
 void Sanitizer::scaler_step(const ScalerStep& step) {
-  if (impl_->closed) return;
-  impl_->events_seen.insert("amp_scale_collapse");
-  impl_->scaler_step(step);
-  report();
+  guarded(*impl_, "scaler_step", [&] {
+    if (impl_->closed) return;
+    impl_->events_seen.insert("amp_scale_collapse");
+    impl_->scaler_step(step);
+    report();
+  });
 }
 
 bool Sanitizer::provenance_armed() const {
@@ -200,61 +262,75 @@ bool Sanitizer::provenance_armed() const {
 }
 
 void Sanitizer::provenance(const Provenance& facts) {
-  if (impl_->closed) return;
-  Provenance p = facts;
-  p.step = impl_->step;
-  impl_->checks.precision.on_provenance(p);
-  report();
+  guarded(*impl_, "provenance", [&] {
+    if (impl_->closed) return;
+    Provenance p = facts;
+    p.step = impl_->step;
+    impl_->checks.precision.on_provenance(p);
+    report();
+  });
 }
 
 void Sanitizer::local_shards(const std::vector<int64_t>& indices,
                              const std::vector<at::Tensor>& params,
                              const std::vector<at::Tensor>& grads) {
-  TORCH_CHECK_VALUE(indices.size() == params.size() && indices.size() == grads.size(),
-                    "local_shards: indices, params and grads differ in length");
-  for (size_t k = 0; k < indices.size(); ++k) {
-    const int64_t i = indices[k];
-    TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < impl_->params.size(),
-                      "local_shards: no parameter ", i);
-    impl_->params[i].local = params[k];
-    impl_->params[i].local_grad = grads[k];
-  }
+  guarded(*impl_, "local_shards", [&] {
+    TORCH_CHECK_VALUE(indices.size() == params.size() && indices.size() == grads.size(),
+                      "local_shards: indices, params and grads differ in length");
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const int64_t i = indices[k];
+      TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < impl_->params.size(),
+                        "local_shards: no parameter ", i);
+      impl_->params[i].local = params[k];
+      impl_->params[i].local_grad = grads[k];
+    }
+  });
 }
 
 void Sanitizer::grad_accumulated(int64_t index) {
-  TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < impl_->params.size(),
-                    "grad_accumulated: no parameter ", index);
-  if (!impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(index));
+  guarded(*impl_, "grad_accumulated", [&] {
+    TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < impl_->params.size(),
+                      "grad_accumulated: no parameter ", index);
+    if (!impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(index));
+  });
 }
 
 void Sanitizer::module_output(const ModuleInfo& module, const std::vector<at::Tensor>& outputs) {
-  impl_->events_seen.insert("nonfinite_activation");
-  impl_->module_output(module, outputs);
-  report();
+  guarded(*impl_, "module_output", [&] {
+    impl_->events_seen.insert("nonfinite_activation");
+    impl_->module_output(module, outputs);
+    report();
+  });
 }
 
 void Sanitizer::check_target(const std::string& op, const at::Tensor& input,
                              const at::Tensor& target, std::optional<int64_t> ignore_index,
                              int64_t num_classes) {
-  if (!impl_->closed) {
-    impl_->audit->check_target(op, input, target, ignore_index, num_classes, impl_->step);
-  }
-  report();
+  guarded(*impl_, "check_target", [&] {
+    if (!impl_->closed) {
+      impl_->audit->check_target(op, input, target, ignore_index, num_classes, impl_->step);
+    }
+    report();
+  });
 }
 
 void Sanitizer::saved_tensor_changed(const SavedTensorChange& change) {
-  if (!impl_->closed) impl_->checks.autograd.on_saved_tensor_changed(change, impl_->step);
-  report();
+  guarded(*impl_, "saved_tensor_changed", [&] {
+    if (!impl_->closed) impl_->checks.autograd.on_saved_tensor_changed(change, impl_->step);
+    report();
+  });
 }
 
 void Sanitizer::custom_grad_result(const CustomGradResult& result) {
-  custom_grad_results({result});
+  guarded(*impl_, "custom_grad_result", [&] { custom_grad_results({result}); });
 }
 
 void Sanitizer::custom_grad_results(const std::vector<CustomGradResult>& results) {
-  impl_->events_seen.insert("bad_custom_grad");
-  if (!impl_->closed) impl_->checks.autograd.on_custom_grads(results, impl_->step);
-  report();
+  guarded(*impl_, "custom_grad_results", [&] {
+    impl_->events_seen.insert("bad_custom_grad");
+    if (!impl_->closed) impl_->checks.autograd.on_custom_grads(results, impl_->step);
+    report();
+  });
 }
 
 void Sanitizer::compare_replicas() { impl_->replicas = impl_->opts.enabled("rank_desync"); }
@@ -267,9 +343,11 @@ std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
 }
 
 void Sanitizer::replica_report(const ReplicaReport& r) {
-  impl_->events_seen.insert("rank_desync");
-  if (!impl_->closed) impl_->checks.replicas.on_report(r);
-  report();
+  guarded(*impl_, "replica_report", [&] {
+    impl_->events_seen.insert("rank_desync");
+    if (!impl_->closed) impl_->checks.replicas.on_report(r);
+    report();
+  });
 }
 
 bool Sanitizer::inplace_check_step() const {
@@ -283,10 +361,12 @@ std::vector<Finding> judge_checkpoint(const CheckpointFacts& facts) {
 }
 
 void Sanitizer::checkpoint(const CheckpointFacts& facts) {
-  if (impl_->closed) return;
-  impl_->events_seen.insert("bad_checkpoint");
-  impl_->checks.checkpoint.on_checkpoint(facts, impl_->step);
-  report();
+  guarded(*impl_, "checkpoint", [&] {
+    if (impl_->closed) return;
+    impl_->events_seen.insert("bad_checkpoint");
+    impl_->checks.checkpoint.on_checkpoint(facts, impl_->step);
+    report();
+  });
 }
 
 bool Sanitizer::rerun_due() const {
@@ -295,10 +375,12 @@ bool Sanitizer::rerun_due() const {
 }
 
 void Sanitizer::rerun_result(const RerunFacts& facts) {
-  if (impl_->closed) return;
-  impl_->events_seen.insert("nondeterminism");
-  impl_->checks.determinism.on_rerun(facts, impl_->step);
-  report();
+  guarded(*impl_, "rerun_result", [&] {
+    if (impl_->closed) return;
+    impl_->events_seen.insert("nondeterminism");
+    impl_->checks.determinism.on_rerun(facts, impl_->step);
+    report();
+  });
 }
 
 bool Sanitizer::recompute_due() const {
@@ -307,29 +389,35 @@ bool Sanitizer::recompute_due() const {
 }
 
 void Sanitizer::recompute(const RecomputeRecord& forward, const RecomputeRecord& recompute) {
-  if (impl_->closed) return;
-  impl_->events_seen.insert("nondeterminism");
-  const std::optional<RerunFacts> facts = compare_recompute(forward, recompute);
-  if (facts) {
-    rerun_result(*facts);
-  } else {
-    report();
-  }
+  guarded(*impl_, "recompute", [&] {
+    if (impl_->closed) return;
+    impl_->events_seen.insert("nondeterminism");
+    const std::optional<RerunFacts> facts = compare_recompute(forward, recompute);
+    if (facts) {
+      rerun_result(*facts);
+    } else {
+      report();
+    }
+  });
 }
 
 void Sanitizer::inputs_seen(const std::vector<uint64_t>& hashes,
                             const std::vector<int64_t>& steps) {
-  if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);
+  guarded(*impl_, "inputs_seen", [&] {
+    if (!impl_->closed) impl_->checks.inputs.seed(hashes, steps);
+  });
 }
 
 void Sanitizer::resume(const ResumeFacts& facts) {
-  if (impl_->closed) return;
-  impl_->events_seen.insert("optimizer_reset");
-  if (facts.moment == ResumeFacts::Moment::kModelLoad && !facts.first_forward) {
-    impl_->checks.inputs.on_resume(impl_->step);
-  }
-  impl_->checks.resume.on_resume(facts, impl_->step);
-  report();
+  guarded(*impl_, "resume", [&] {
+    if (impl_->closed) return;
+    impl_->events_seen.insert("optimizer_reset");
+    if (facts.moment == ResumeFacts::Moment::kModelLoad && !facts.first_forward) {
+      impl_->checks.inputs.on_resume(impl_->step);
+    }
+    impl_->checks.resume.on_resume(facts, impl_->step);
+    report();
+  });
 }
 
 bool Sanitizer::headroom_due() const {
@@ -347,16 +435,18 @@ bool Sanitizer::headroom_due() const {
 }
 
 void Sanitizer::trace_record(const std::string& json_object) {
-  TORCH_CHECK_VALUE(!json_object.empty() && json_object.front() == '{' &&
-                        json_object.back() == '}' && json_object.find('\n') == std::string::npos,
-                    "trace_record: expected one JSON object on one line");
-  if (impl_->closed) return;
-  if (json_object.rfind("{\"type\":\"range\"", 0) == 0 ||
-      json_object.rfind("{\"type\": \"range\"", 0) == 0) {
-    impl_->trace.bulk_line(json_object);  // Note [Bounded trace]
-  } else {
-    impl_->trace.line(json_object);
-  }
+  guarded(*impl_, "trace_record", [&] {
+    TORCH_CHECK_VALUE(!json_object.empty() && json_object.front() == '{' &&
+                          json_object.back() == '}' && json_object.find('\n') == std::string::npos,
+                      "trace_record: expected one JSON object on one line");
+    if (impl_->closed) return;
+    if (json_object.rfind("{\"type\":\"range\"", 0) == 0 ||
+        json_object.rfind("{\"type\": \"range\"", 0) == 0) {
+      impl_->trace.bulk_line(json_object);  // Note [Bounded trace]
+    } else {
+      impl_->trace.line(json_object);
+    }
+  });
 }
 
 bool Sanitizer::gradcheck_step() const { return custom_grad_due(false); }
@@ -369,8 +459,14 @@ bool Sanitizer::custom_grad_due(bool first_use) const {
 void Sanitizer::add_overhead(double seconds) { impl_->add_outside(seconds); }
 
 void Sanitizer::close() {
-  impl_->close();
-  report();
+  try {  // Note [Faults]: after one, close() still runs (impl_->close() closes every part)
+    impl_->close();
+    report();
+  } catch (const TrainingBugError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (!absorbed(*impl_, "close", e)) throw;
+  }
 }
 
 std::vector<Finding> Sanitizer::findings() const { return impl_->store.all(); }

@@ -152,6 +152,8 @@ struct SanitizerImpl {
   std::chrono::steady_clock::time_point last_step_end{};
   double overhead_at_last_step_end = 0.0;
   Coverage coverage;  // what was checked (Sanitizer::coverage)
+  // Note [Faults] (sanitizer_api.cpp): the internal error after which it stopped checking, or "".
+  std::string fault;
   // Previous parameter values (track_updates): each a full copy with exact_updates, else its
   // sample (Note [Update sample]); and the fingerprint of the parameter when its snapshot was
   // written (Note [Update statistics without a snapshot]; nullopt where not known).

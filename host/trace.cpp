@@ -389,7 +389,8 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
      << ",\"window_backwards\":" << c.window_backwards << ",\"window_steps\":" << c.window_steps
      << ",\"window_samples\":" << c.window_samples << ",\"trace_rows_steps\":" << rows_records_
      << ",\"trace_bytes\":" << bytes_total_
-     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_)) << ",\"unread\":[";
+     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_))
+     << ",\"fault\":" << (c.fault.empty() ? "null" : json_escape(c.fault)) << ",\"unread\":[";
   sep = "";
   for (const std::string& u : c.unread) {
     os << sep << json_escape(u);

@@ -292,6 +292,13 @@ TORCH_LIBRARY(trainsan, m) {
   m.def("stats_fields", &stats_fields_op);
   m.def("kinds", &kinds_op);
   m.def("options", &options_op);
+  // Options::set for each name=value, then validate(): the launcher's check of its flags before
+  // the script runs (a ValueError naming the option, the value and its range).
+  m.def("check_options", [](c10::Dict<std::string, std::string> options) {
+    trainsan::Options o;
+    for (const auto& kv : options) o.set(kv.key(), kv.value());
+    o.validate();
+  });
 
   using H = c10::intrusive_ptr<SanitizerHandle>;
   m.class_<SanitizerHandle>("Sanitizer")
@@ -508,7 +515,7 @@ TORCH_LIBRARY(trainsan, m) {
                kinds.push_back(k);
                reasons.push_back(why);
              }
-             return std::make_tuple(counts, kinds, reasons, c.trace_error, c.unread);
+             return std::make_tuple(counts, kinds, reasons, c.trace_error, c.unread, c.fault);
            })
       .def("step", [](const H& h) { return h->san->step(); })
       .def("overhead_s", [](const H& h) { return h->san->overhead_seconds(); })

@@ -15,6 +15,8 @@ made by _hooks._weak_method) goes through `absorb`:
     to do), a note in the trace, summary() and coverage()["fault"]; the sanitizer then checks
     nothing more (every entry returns at once: a half-done step would only make false findings)
     and the job goes on. close() still removes every hook and writes the trace summary.
+The C++ events do the same for a LibTorch loop (and for the C++ half of a Python one):
+host/sanitizer_api.cpp's `guarded`, whose fault coverage() merges with this one's.
 A check with machinery of its own (precision provenance, the replica comparison) is guarded
 closer first (_facts.run_guarded): it alone stops, with a warning, and the others go on; `absorb`
 is the last line, for everything else.

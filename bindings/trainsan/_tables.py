@@ -95,3 +95,9 @@ def option_strings(options: dict, policy: str, trace: Any, checks: dict) -> dict
                             f"({type(on).__name__})")
         opts["check." + kind] = "true" if on else "false"
     return opts
+
+
+def check_options(options: dict, policy: str, trace: Any, checks: dict) -> None:
+    """What attach() would refuse of these options (a TypeError or ValueError naming the option),
+    without attaching: the launcher checks its flags before the script runs."""
+    torch.ops.trainsan.check_options(option_strings(options, policy, trace, checks))

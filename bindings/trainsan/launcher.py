@@ -37,6 +37,7 @@ import trainsan
 
 from . import _children
 from ._pairing import Pairer, _Pairing
+from ._tables import check_options
 
 PROG = "python -m trainsan run"
 _ON = {"on": True, "true": True, "1": True, "yes": True,
@@ -412,6 +413,10 @@ def main(argv: list) -> int:
     options = {n: v for n, v in vars(args).items()
                if n in trainsan.OPTIONS and n not in ("policy", "trace") and v is not None}
     trace = os.path.abspath(args.trace) if args.trace else None
+    try:
+        check_options(options, args.policy or trainsan.OPTIONS["policy"], trace, checks)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc).split("\n")[0])
     if trace and not os.path.isdir(os.path.dirname(trace)):
         parser.error(f"--trace: the directory of {trace} does not exist")
     world = int(os.environ.get("WORLD_SIZE", "1"))

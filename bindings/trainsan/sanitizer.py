@@ -609,14 +609,14 @@ class Sanitizer:
         the parameters of a dtype the statistics pass does not read (``"name (dtype)"``), and
         ``outside_model``: per attached optimizer holding parameters that are not the model's,
         ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
-        counts, kinds, reasons, trace_error, unread = self._handle.coverage()
+        counts, kinds, reasons, trace_error, unread, fault = self._handle.coverage()
         out = dict(counts)
         for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
             out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
         out["trace_error"] = trace_error or None
         out["unread"] = list(unread)
-        out["fault"] = self._fault
+        out["fault"] = self._fault or fault or None  # Python's, or the C++ events' (Note [Faults])
         out["outside_model"] = outside_model(self._optimizers, self._param_ids)
         if self._replicas is not None and not self._replicas.sets:
             out["unchecked"]["rank_desync"] = (

@@ -423,7 +423,7 @@ TEST(Sanitizer, ComplexParametersTrainAndUnreadDtypesAreNamed) {
   std::vector<trainsan::Parameter> ps;
   ps.push_back({"w", w, /*optimizer=*/0});
   ps.push_back({"frozen", frozen, /*optimizer=*/-1});
-  trainsan::Sanitizer san(std::move(ps), record());
+  trainsan::Sanitizer san(std::move(ps), record(), trainsan::Setup{});
   torch::optim::Adam opt({w}, torch::optim::AdamOptions(1e-2));
   for (int i = 0; i < 12; ++i) {
     const Batch b = batch(i);
@@ -442,6 +442,35 @@ TEST(Sanitizer, ComplexParametersTrainAndUnreadDtypesAreNamed) {
   EXPECT_EQ(c.steps_checked, 12);
   ASSERT_EQ(c.unread.size(), 1u);
   EXPECT_EQ(c.unread[0], "frozen (float8_e4m3fn)");
+}
+
+// Note [Faults]: an exception out of an event (here a bad index given to local_shards) is the
+// run's under "raise"; under "record" it is told once, kept in coverage().fault, later events
+// return at once, and close() still closes (the hooks are removed).
+TEST(Sanitizer, AnErrorInAnEventUnderRecordIsToldAndTheLoopGoesOn) {
+  torch::manual_seed(0);
+  for (const bool strict : {true, false}) {
+    Net net;
+    torch::optim::SGD opt(net.parameters(), 0.1);
+    trainsan::Options o;
+    o.policy = strict ? "raise" : "record";
+    trainsan::Sanitizer san(net.named_parameters(), o);
+    train(net, opt, san, 2);
+    const torch::Tensor t = torch::zeros({1});
+    if (strict) {
+      EXPECT_THROW(san.local_shards({99}, {t}, {t}), c10::ValueError);
+      san.close();
+      continue;
+    }
+    EXPECT_NO_THROW(san.local_shards({99}, {t}, {t}));
+    const std::string fault = san.coverage().fault;
+    EXPECT_NE(fault.find("internal error in local_shards at step 2"), std::string::npos) << fault;
+    EXPECT_NO_THROW(train(net, opt, san, 3));  // the loop goes on; nothing more is checked
+    EXPECT_EQ(san.coverage().steps_checked, 2);
+    EXPECT_TRUE(san.hooks_installed());
+    EXPECT_NO_THROW(san.close());
+    EXPECT_FALSE(san.hooks_installed());
+  }
 }
 
 TEST(Sanitizer, UnknownOrUnimplementedCheckIsAnError) {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -444,6 +445,47 @@ def test_an_option_outside_its_range_is_refused_naming_it(name, value, range_):
     with pytest.raises(ValueError, match=rf"option {name} must be in {range_}, got"):
         trainsan.attach(m, opt, policy="record", **{name: value})
     assert not m._forward_pre_hooks and trainsan.attached(m) is None
+
+
+def _just_outside():
+    """(option, value just outside its range, range) for every numeric option of the table, at
+    each finite end: computed here from the range text, independently of the C++ parser."""
+    names, types, _defaults, ranges, _docs = torch.ops.trainsan.options()
+    out = []
+    for name, typ, r in zip(names, types, ranges):
+        if typ not in ("int", "float"):
+            continue
+        lo, hi = (float(x) for x in r[1:-1].split(","))
+        step = 1 if typ == "int" else 1e-6
+        if math.isfinite(lo):
+            out.append((name, lo if r[0] == "(" else lo - step, r))
+        if math.isfinite(hi):
+            out.append((name, hi if r[-1] == ")" else hi + step, r))
+        elif r[-1] == ")":
+            out.append((name, math.inf, r))
+    return [(n, int(v) if types[names.index(n)] == "int" and math.isfinite(v) else v, r)
+            for n, v, r in out]
+
+
+@pytest.mark.parametrize("name,value,range_", _just_outside())
+def test_every_numeric_option_is_refused_just_outside_its_range(name, value, range_):
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    err = TypeError if isinstance(value, float) and isinstance(trainsan.OPTIONS[name], int) \
+        else ValueError  # inf for an int option is a float: the wrong type
+    with pytest.raises(err, match=re.escape(name)):
+        trainsan.attach(m, opt, policy="record", **{name: value})
+    assert trainsan.attached(m) is None
+
+
+def test_the_launcher_refuses_an_option_outside_its_range_before_the_script_runs(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("print('SCRIPT RAN')\n")
+    r = subprocess.run([sys.executable, "-m", "trainsan", "run", "--loss-spike-factor", "-5",
+                        str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "loss_spike_factor must be in (0, inf), got -5" in r.stderr, r.stderr
+    assert "SCRIPT RAN" not in r.stdout
 
 
 @pytest.mark.parametrize("kwargs,pattern", [

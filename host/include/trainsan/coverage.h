@@ -38,6 +38,9 @@ struct Coverage {
   /// Parameters whose dtype the statistics pass does not read (float8, uint16, ...), as
   /// "name (dtype)": left out of every check that reads values (Note [Dtypes the pass reads]).
   std::vector<std::string> unread;
+  /// Note [Faults]: under "warn" and "record", the internal error after which the sanitizer
+  /// stopped checking (told once as a warning); "" while it checks.
+  std::string fault;
   /// Enabled kinds that never had what they need, with the reason.
   std::vector<std::pair<std::string, std::string>> unchecked;
 };
