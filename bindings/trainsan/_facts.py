@@ -5,6 +5,7 @@ make of the parameters. No rule lives here."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -57,7 +58,10 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
     (``optimizer0.group1.param2``); the sanitizer notes which. An optimizer holding none of the
     model's parameters while the model has some is different: it was built before they were
     replaced (or belongs to another model), a bug that _optimizers_holding_none reports; its
-    tensors are not watched."""
+    tensors are not watched. So is a tensor of the shape and dtype of a trainable parameter of the
+    model that no optimizer holds: the parameter it was before a submodule was replaced after the
+    optimizer was built (param_not_in_optimizer reports that; watched, it would never get a
+    gradient)."""
     names, params, opt_index, group_index = [], [], [], []
     where = {}  # id(param) -> (optimizer, group)
     for k, opt in enumerate(optimizers):
@@ -73,6 +77,8 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
     own = {id(p) for p in params}
     stale = {k for k, opt in enumerate(optimizers) if own and not any(
         id(p) in own for g in opt.param_groups for p in g["params"])}
+    replaced = collections.Counter(
+        (tuple(p.shape), p.dtype) for p, k in zip(params, opt_index) if k < 0 and p.requires_grad)
     script = None
     outside = []
     for k, opt in enumerate(optimizers):
@@ -83,6 +89,9 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
                 if id(p) in own or not isinstance(p, torch.Tensor):
                     continue
                 own.add(id(p))
+                if replaced[(tuple(p.shape), p.dtype)] > 0:
+                    replaced[(tuple(p.shape), p.dtype)] -= 1
+                    continue
                 if script is None:
                     script = script_names(torch.Tensor)
                 name = script.get(id(p), f"optimizer{k}.group{gi}.param{i}")

@@ -396,6 +396,23 @@ def test_tensors_the_optimizer_trains_outside_the_module_are_watched():
     del w
 
 
+def test_a_replaced_submodules_old_parameters_are_not_watched():
+    """Note [Tensors outside the model]: the optimizer's tensors that a replaced submodule left
+    behind are the bug param_not_in_optimizer names, not external weights to watch."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), 1e-2)
+    m[2] = nn.Linear(8, 1)  # after the optimizer was built
+    san = trainsan.attach(m, opt, policy="record")
+    x, y = _xy()
+    for i in range(5):
+        _plain(m, opt, x, y)(i)
+    san.close()
+    kinds = {f.kind for f in san.findings}
+    assert "param_not_in_optimizer" in kinds, san.summary()
+    assert "missing_grad" not in kinds, san.summary()
+    assert san.coverage()["outside_model"][0]["count"] == 2
+
+
 def test_an_internal_error_under_record_is_told_once_and_the_loop_goes_on(monkeypatch):
     """Note [Faults]: TrainSan's own exception in a hook ends nothing under "record"."""
     m = nn.Linear(8, 1)
