@@ -42,6 +42,28 @@ bool system_library(const std::string& path) {
   return false;
 }
 
+// Frames inside the program's binary that are not the program's own code, which
+// system_library() cannot tell by the library's name: TrainSan linked statically (a static
+// trainsan::trainsan, as the tests and an add_subdirectory build link it) and the LibTorch and
+// C++ library headers inlined into the program. By namespace, and with debug information by
+// source (TrainSan's host/ and kernels/, torch's and the C++ library's include directories).
+bool not_the_programs(const torch::unwind::Frame& f) {
+  static const std::string root = [] {
+    const std::string here = __FILE__;  // <root>/host/source_location.cpp
+    const size_t k = here.rfind("/host/");
+    return k == std::string::npos ? std::string() : here.substr(0, k + 1);
+  }();
+  for (const char* ns : {"trainsan::", "at::", "c10::", "torch::", "std::", "__gnu_cxx::"}) {
+    if (f.funcname.rfind(ns, 0) == 0) return true;
+  }
+  if (!root.empty() &&
+      (f.filename.rfind(root + "host/", 0) == 0 || f.filename.rfind(root + "kernels/", 0) == 0)) {
+    return true;
+  }
+  return f.filename.find("/torch/include/") != std::string::npos ||
+         f.filename.find("/include/c++/") != std::string::npos;
+}
+
 // A LibTorch program (no Python frame): the innermost frame of the program's own code, its
 // function and, where the program has debug information, file and line (one addr2line run).
 Source cpp_source() {
@@ -52,6 +74,7 @@ Source cpp_source() {
       if (!lib || system_library(lib->first)) continue;
       const std::vector<torch::unwind::Frame> fs =
           torch::unwind::symbolize({pc}, torch::unwind::Mode::addr2line);
+      if (!fs.empty() && not_the_programs(fs[0])) continue;
       const std::string func = fs.empty() || fs[0].funcname.empty() || fs[0].funcname == "??"
                                    ? std::string()
                                    : fs[0].funcname;

@@ -5,6 +5,9 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <torch/version.h>
 #include <unistd.h>
 
@@ -98,6 +101,30 @@ std::string cpp_header_fields() {
   return os.str();
 }
 
+// A write to a pipe or socket whose reader is gone raises SIGPIPE, whose default action ends the
+// process (a LibTorch program's; Python ignores the signal): SIGPIPE is blocked in this thread for
+// the write and one the write raised is taken back, so the write fails with EPIPE and the trace
+// ends as on a full disk (Note [Bounded trace]), the run going on.
+ssize_t write_keeping_sigpipe(int fd, const char* p, size_t n) {
+  sigset_t pipe_set, old, pending;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+  sigemptyset(&pending);
+  sigpending(&pending);
+  const bool was_pending = sigismember(&pending, SIGPIPE) == 1;  // someone else's: left alone
+  const ssize_t r = ::write(fd, p, n);
+  const int err = errno;
+  if (r < 0 && err == EPIPE && !was_pending) {
+    const struct timespec zero = {0, 0};
+    while (sigtimedwait(&pipe_set, nullptr, &zero) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  errno = err;
+  return r;
+}
+
 }  // namespace
 
 std::string stats_json(const TensorStats& st) {
@@ -128,6 +155,8 @@ TraceWriter::TraceWriter(const Options& opts, const std::string& extra, size_t n
     error_new_ = true;  // told by whoever takes it first (the Python attach, or the next event)
     return;
   }
+  struct stat st {};
+  pipe_ = ::fstat(fd_, &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode));
   std::ostringstream os;
   os << "{\"type\":\"header\",\"trainsan\":\"" TRAINSAN_VERSION "\",\"cuda_kernels\":"
      << (kernels::cuda_compiled() ? "true" : "false") << ",\"num_params\":" << num_params
@@ -165,7 +194,7 @@ void TraceWriter::write_raw(const std::string& text) {
   const char* p = text.data();
   size_t left = text.size();
   while (left > 0 && fd_ >= 0) {
-    const ssize_t n = ::write(fd_, p, left);
+    const ssize_t n = pipe_ ? write_keeping_sigpipe(fd_, p, left) : ::write(fd_, p, left);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       fail("written", n < 0 ? errno : EIO);
@@ -378,18 +407,11 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
     os << "}";
     sep = ",";
   }
-  os << "],\"coverage\":{\"steps_checked\":" << c.steps_checked
-     << ",\"update_steps\":" << c.update_steps << ",\"update_period\":" << c.update_period
-     << ",\"overhead_budget\":" << json_number(opts_.overhead_budget)
-     << ",\"training_forwards\":" << c.training_forwards
-     << ",\"other_forwards\":" << c.other_forwards << ",\"losses_checked\":" << c.losses_checked
-     << ",\"inputs_fingerprinted\":" << c.inputs_fingerprinted
-     << ",\"audited_forwards\":" << c.audited_forwards << ",\"ops_audited\":" << c.ops_audited
-     << ",\"window_declared\":" << c.window_declared << ",\"windows\":" << c.windows
-     << ",\"window_backwards\":" << c.window_backwards << ",\"window_steps\":" << c.window_steps
-     << ",\"window_samples\":" << c.window_samples << ",\"trace_rows_steps\":" << rows_records_
-     << ",\"trace_bytes\":" << bytes_total_
-     << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_))
+  os << "],\"coverage\":{\"overhead_budget\":" << json_number(opts_.overhead_budget);
+#define TRAINSAN_COVERAGE_COUNT(name, init, doc) os << ",\"" #name "\":" << c.name;
+#include "trainsan/coverage.def"
+#undef TRAINSAN_COVERAGE_COUNT
+  os << ",\"trace_error\":" << (error_.empty() ? "null" : json_escape(error_))
      << ",\"fault\":" << (c.fault.empty() ? "null" : json_escape(c.fault)) << ",\"unread\":[";
   sep = "";
   for (const std::string& u : c.unread) {

@@ -123,6 +123,7 @@ class TraceWriter {
 
   const Options& opts_;
   int fd_ = -1;
+  bool pipe_ = false;   // a pipe or socket: writes keep SIGPIPE from ending the process
   std::string header_;  // for a rotated file's first line
   std::string error_;   // the first write error
   bool error_new_ = false;

@@ -494,22 +494,9 @@ TORCH_LIBRARY(trainsan, m) {
            [](const H& h) {
              const trainsan::Coverage c = h->san->coverage();
              c10::Dict<std::string, int64_t> counts;
-             counts.insert("steps_checked", c.steps_checked);
-             counts.insert("update_steps", c.update_steps);
-             counts.insert("update_period", c.update_period);
-             counts.insert("training_forwards", c.training_forwards);
-             counts.insert("other_forwards", c.other_forwards);
-             counts.insert("losses_checked", c.losses_checked);
-             counts.insert("inputs_fingerprinted", c.inputs_fingerprinted);
-             counts.insert("audited_forwards", c.audited_forwards);
-             counts.insert("ops_audited", c.ops_audited);
-             counts.insert("window_declared", c.window_declared);
-             counts.insert("windows", c.windows);
-             counts.insert("window_backwards", c.window_backwards);
-             counts.insert("window_steps", c.window_steps);
-             counts.insert("window_samples", c.window_samples);
-             counts.insert("trace_rows_steps", c.trace_rows_steps);
-             counts.insert("trace_bytes", c.trace_bytes);
+#define TRAINSAN_COVERAGE_COUNT(name, init, doc) counts.insert(#name, c.name);
+#include "trainsan/coverage.def"
+#undef TRAINSAN_COVERAGE_COUNT
              std::vector<std::string> kinds, reasons;
              for (const auto& [k, why] : c.unchecked) {
                kinds.push_back(k);

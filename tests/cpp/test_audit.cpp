@@ -57,6 +57,16 @@ std::vector<trainsan::Finding> of_kind(const trainsan::Sanitizer& san, const std
   return out;
 }
 
+// A finding's name for an op of this program: the op, and where the program has debug
+// information the program's own line (this file's), never TrainSan's or an inlined header's.
+::testing::AssertionResult op_named(const std::string& name, const std::string& op) {
+  if (name == op || (name.rfind(op + " (test_audit.cpp:", 0) == 0 && name.back() == ')')) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << "'" << name << "' is not '" << op << "' or '" << op << " (test_audit.cpp:N)'";
+}
+
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
@@ -77,7 +87,7 @@ TEST(Audit, HandWrittenLossBroadcastIsFoundAtStepZero) {
   const trainsan::Finding& f = fs[0];
   EXPECT_EQ(f.step, 0);
   EXPECT_EQ(f.severity, "error");
-  EXPECT_EQ(f.tensor, "aten::sub");
+  EXPECT_TRUE(op_named(f.tensor, "aten::sub"));
   EXPECT_EQ(f.count, 3);  // every step of the first audit_first_steps is audited
   EXPECT_TRUE(contains(f.message, "[32, 1] and [32] into [32, 32]")) << f.message;
   ASSERT_TRUE(f.value.has_value());
@@ -98,7 +108,7 @@ TEST(Audit, PolicyRaiseThrowsAtTheStepEnd) {
   } catch (const trainsan::TrainingBugError& e) {
     EXPECT_EQ(e.finding.kind, "broadcast");
     EXPECT_EQ(e.finding.step, 0);
-    EXPECT_EQ(e.finding.tensor, "aten::l1_loss");
+    EXPECT_TRUE(op_named(e.finding.tensor, "aten::l1_loss"));
     EXPECT_TRUE(contains(e.finding.message, "input [32, 1] and target [32]")) << e.what();
   }
 }
@@ -114,7 +124,7 @@ TEST(Audit, BatchMismatchOfALossIsFound) {
   san.close();
   const auto fs = of_kind(san, "batch_mismatch");
   ASSERT_EQ(fs.size(), 1u);
-  EXPECT_EQ(fs[0].tensor, "aten::mse_loss");
+  EXPECT_TRUE(op_named(fs[0].tensor, "aten::mse_loss"));
   EXPECT_TRUE(contains(fs[0].message, "batch size 32 [32, 1] and target of batch size 1 [1, 1]"))
       << fs[0].message;
   EXPECT_TRUE(of_kind(san, "broadcast").empty());  // [32, 1] vs [1, 1] does not grow
@@ -133,7 +143,7 @@ TEST(Audit, LabelRangeIsRecordedBeforeTheOpFails) {
   san.close();
   const auto fs = of_kind(san, "label_range");
   ASSERT_EQ(fs.size(), 1u);
-  EXPECT_EQ(fs[0].tensor, "aten::cross_entropy_loss");
+  EXPECT_TRUE(op_named(fs[0].tensor, "aten::cross_entropy_loss"));
   EXPECT_TRUE(contains(fs[0].message, "outside [0, 4)")) << fs[0].message;
   EXPECT_TRUE(contains(fs[0].message, "1-based")) << fs[0].message;
 }
@@ -175,7 +185,7 @@ TEST(Audit, SamplingFollowsTheOptions) {
   san.close();
   const auto fs = of_kind(san, "broadcast");
   ASSERT_EQ(fs.size(), 1u);
-  EXPECT_EQ(fs[0].tensor, "aten::mul");
+  EXPECT_TRUE(op_named(fs[0].tensor, "aten::mul"));
   EXPECT_EQ(fs[0].count, 4);  // steps 0, 1 (first two), 3 and 6 (every third)
   EXPECT_EQ(fs[0].last_step, 6);
 

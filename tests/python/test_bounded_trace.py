@@ -345,3 +345,40 @@ def test_png_plots_measured_points_only(traces, tmp_path):
     dots = [ln for ln in ax.lines if ln.get_color() == upd.get_color() and ln is not upd]
     assert dots and list(dots[0].get_xdata()) == measured
     plt.close("all")
+
+
+_PIPE_CHILD = r"""
+import signal, sys, torch, trainsan
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as a C++ program has it: SIGPIPE ends the process
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), 0.1)
+san = trainsan.attach(m, opt, policy="record", trace=sys.argv[1], trace_rows_every=1)
+for i in range(200):
+    opt.zero_grad()
+    m(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+print("TRAINED", san.coverage()["trace_error"] is not None)
+san.close()
+"""
+
+
+def test_a_trace_pipe_whose_reader_closed_ends_the_trace_not_the_job(tmp_path):
+    """A trace written into a pipe (trace=/dev/stdout | head, a FIFO) whose reader went away:
+    the write fails with EPIPE and is told (Note [Bounded trace]); SIGPIPE, which would end a
+    process that does not ignore it (any C++ program), is kept from it."""
+    import os
+    import subprocess
+    import sys
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    child = subprocess.Popen([sys.executable, "-c", _PIPE_CHILD, str(fifo)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fd = os.open(fifo, os.O_RDONLY)  # meets the child's open for writing
+    try:
+        assert os.read(fd, 64).startswith(b'{"type":"header"')
+    finally:
+        os.close(fd)  # the reader goes away
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, (child.returncode, err[-2000:])
+    assert "TRAINED True" in out, out + err[-2000:]
+    assert "could not be written" in err, err[-2000:]

@@ -118,3 +118,23 @@ def test_update_checks_still_fire_under_the_budget():
             F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 2)).backward()
             opt.step()
     assert any(f.kind == "skipped_step" for f in san.findings)
+
+
+def test_every_count_of_the_table_reaches_python_and_the_trace(tmp_path):
+    """host/include/trainsan/coverage.def is the one list of the counts: coverage() and the trace
+    summary hold each (the hand-written copies had dropped discards_checked)."""
+    import os
+    import re
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "host/include/trainsan/coverage.def"), encoding="utf-8") as fh:
+        names = re.findall(r"^TRAINSAN_COVERAGE_COUNT\((\w+),", fh.read(), re.M)
+    assert len(names) >= 17 and "discards_checked" in names
+    trace = tmp_path / "t.jsonl"
+    san = _loop({}, 3, trace=trace)
+    cov = san.coverage()
+    san.close()
+    summary = [json.loads(x) for x in trace.read_text().splitlines()][-1]
+    assert summary["type"] == "summary"
+    for n in names:
+        assert isinstance(cov[n], int), n
+        assert summary["coverage"][n] == cov[n] or n.startswith("trace_"), n
