@@ -457,7 +457,10 @@ class Sanitizer:
         if self._closed or not holds_model(obj, self._model):
             return
         t0 = time.perf_counter()
-        where = os.fspath(f) if isinstance(f, (str, os.PathLike)) else type(f).__name__
+        # A path, or a file object's own path (ignite's Checkpoint saves through an open
+        # file); a buffer without one by its type.
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        where = os.fspath(name) if isinstance(name, (str, os.PathLike)) else type(f).__name__
         facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
                        part_ok=True)
         self._py_overhead += time.perf_counter() - t0

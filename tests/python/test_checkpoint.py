@@ -77,6 +77,24 @@ def test_nan_weights_found_and_not_written_while_attached(tmp_path):
     assert torch.save.__module__ == "torch.serialization"
 
 
+def test_a_save_through_a_file_object_is_named_by_its_path(tmp_path):
+    """ignite's Checkpoint (and others) save through an open file: the finding names its path,
+    not its type (BufferedRandom); a buffer without a path keeps its type's name."""
+    model, opt = trained()
+    san = trainsan.attach(model, opt, policy="record")
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+    path = tmp_path / "through_a_file.pt"
+    with open(path, "w+b") as fh:
+        torch.save({"model": model.state_dict()}, fh)
+    import io
+    torch.save({"model": model.state_dict()}, io.BytesIO())
+    san.close()
+    messages = [f.message for f in san.findings if f.kind == "bad_checkpoint"]
+    assert any(f"torch.save to {path}" in m for m in messages), messages
+    assert not any("BufferedRandom" in m for m in messages), messages
+
+
 def test_fresh_optimizer_state_for_a_trained_one_is_found(tmp_path):
     model, opt = trained()
     san = trainsan.attach(model, opt, policy="record")
