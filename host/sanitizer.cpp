@@ -52,7 +52,8 @@ at::Tensor as_bits(const at::Tensor& t) {
 
 // The parameters the passes read; those of a dtype the pass does not read (Note [Dtypes the pass
 // reads] in host/stats.cpp: float8, uint16, ...) are left out and named in `unread`.
-std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps, std::vector<std::string>* unread) {
+std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps, std::vector<std::string>* unread,
+                                     std::vector<int64_t>* tracked_of) {
   TORCH_CHECK_VALUE(!ps.empty(),
                     "trainsan::Sanitizer: no parameters given; pass "
                     "model->named_parameters()");
@@ -63,8 +64,10 @@ std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps, std::vector<std:
     const at::Tensor& read = p.local.defined() ? p.local : p.tensor;
     if (!readable_dtype(read.scalar_type())) {
       unread->push_back(p.name + " (" + c10::getDtypeNames(read.scalar_type()).first + ")");
+      tracked_of->push_back(-1);
       continue;
     }
+    tracked_of->push_back(static_cast<int64_t>(out.size()));
     TrackedParam t;
     t.name = std::move(p.name);
     t.param = std::move(p.tensor);
@@ -122,7 +125,7 @@ bool fp16_autocast() {
 SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options, Setup s)
     : opts(validated(options)),
       setup(std::move(s)),
-      params(to_tracked(std::move(parameters), &unread)),
+      params(to_tracked(std::move(parameters), &unread, &tracked_of)),
       have_optimizer(std::any_of(params.begin(), params.end(),
                                  [](const TrackedParam& p) { return p.opt >= 0; })),
       trace(opts, setup.header_extra, params.size()),
@@ -154,11 +157,9 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   for (const ModuleInfo& m : setup.mode_modules) {
     ModeModule mm;
     mm.ref = {m.name.empty() ? "<model>" : m.name, m.type};
-    for (const int64_t i : m.params) {
-      TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < params.size(),
-                        "trainsan::Setup: mode module '", m.name, "' names parameter ", i, " of ",
-                        params.size());
-      mm.params.push_back(static_cast<size_t>(i));
+    for (const int64_t given : m.params) {
+      const int64_t i = tracked_index(given, "trainsan::Setup::mode_modules");
+      if (i >= 0) mm.params.push_back(static_cast<size_t>(i));
     }
     mm.mode_dependent = m.mode_dependent;
     modes.push_back(std::move(mm));
@@ -584,6 +585,12 @@ void SanitizerImpl::module_output(const ModuleInfo& module, const std::vector<at
     }
   }
   add_overhead(seconds_since(t0));
+}
+
+int64_t SanitizerImpl::tracked_index(int64_t given, const char* what) const {
+  TORCH_CHECK_VALUE(given >= 0 && static_cast<size_t>(given) < tracked_of.size(), what,
+                    ": no parameter ", given, " (", tracked_of.size(), " were given)");
+  return tracked_of[static_cast<size_t>(given)];
 }
 
 // Note [Coverage]: what each enabled kind needs comes from kinds.def's `needs` column; a kind

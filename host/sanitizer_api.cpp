@@ -278,9 +278,8 @@ void Sanitizer::local_shards(const std::vector<int64_t>& indices,
     TORCH_CHECK_VALUE(indices.size() == params.size() && indices.size() == grads.size(),
                       "local_shards: indices, params and grads differ in length");
     for (size_t k = 0; k < indices.size(); ++k) {
-      const int64_t i = indices[k];
-      TORCH_CHECK_VALUE(i >= 0 && static_cast<size_t>(i) < impl_->params.size(),
-                        "local_shards: no parameter ", i);
+      const int64_t i = impl_->tracked_index(indices[k], "local_shards");
+      if (i < 0) continue;  // a parameter the pass does not read (Note [Dtypes the pass reads])
       impl_->params[i].local = params[k];
       impl_->params[i].local_grad = grads[k];
     }
@@ -289,9 +288,8 @@ void Sanitizer::local_shards(const std::vector<int64_t>& indices,
 
 void Sanitizer::grad_accumulated(int64_t index) {
   guarded(*impl_, "grad_accumulated", [&] {
-    TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < impl_->params.size(),
-                      "grad_accumulated: no parameter ", index);
-    if (!impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(index));
+    const int64_t i = impl_->tracked_index(index, "grad_accumulated");
+    if (i >= 0 && !impl_->closed) impl_->grads.external_accumulation(static_cast<size_t>(i));
   });
 }
 

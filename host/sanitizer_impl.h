@@ -64,6 +64,9 @@ struct SanitizerImpl {
   void write_summary() { trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now()); }
   void close();
   Coverage coverage_now() const;
+  // `given` (an index into the caller's parameter list) as an index into `params`, -1 for one
+  // left out for its dtype; c10::ValueError naming `what` when out of range.
+  int64_t tracked_index(int64_t given, const char* what) const;
 
   // The step pass (sanitizer_pass.cpp).
   struct Pass;
@@ -105,6 +108,9 @@ struct SanitizerImpl {
   // Parameters left out of the passes for their dtype (Note [Dtypes the pass reads]), as
   // "name (dtype)": filled by to_tracked before `params`, reported in coverage()'s `unread`.
   std::vector<std::string> unread;
+  // The caller's parameter index -> its index in `params` (-1: left out), for the indices callers
+  // give (Setup::mode_modules, local_shards, grad_accumulated): filled by to_tracked.
+  std::vector<int64_t> tracked_of;
   std::vector<TrackedParam> params;
   bool have_optimizer = false;
 

@@ -230,6 +230,27 @@ def case_odd_dtype_parameters_and_buffers():
     return m, [opt], _plain(m, opt, *_xy())
 
 
+class _UnreadFirst(nn.Module):
+    """A parameter the pass does not read registered before every other: the indices the
+    package gives C++ (mode modules, ...) must still name the right parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.codebook = nn.Parameter(torch.zeros(4, dtype=torch.float8_e4m3fn),
+                                     requires_grad=False)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def case_unread_parameter_first():
+    m = _UnreadFirst()
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], 1e-3)
+    return m, [opt], _plain(m, opt, *_xy())
+
+
 def case_no_optimizer_manual_update():
     m = nn.Linear(8, 1)
     x, y = _xy()
@@ -370,6 +391,19 @@ def test_unread_dtypes_are_named_never_guessed():
     assert "frozen_f8 (float8_e5m2)" in unread and "frozen_u16 (uint16)" in unread, unread
     assert "not read: " in san.summary()
     san.close()
+
+
+def test_rules_that_name_modules_still_do_with_an_unread_parameter_first():
+    model, opts, step = case_unread_parameter_first()
+    san = trainsan.attach(model, opts, policy="record")
+    model.eval()  # the bug: training in eval mode (Dropout off)
+    for i in range(4):
+        step(i)
+    san.close()
+    assert san.coverage()["fault"] is None
+    assert san.coverage()["unread"] == ["codebook (float8_e4m3fn)"]
+    found = [f for f in san.findings if f.kind == "eval_mode"]
+    assert found, san.summary()
 
 
 def test_tensors_the_optimizer_trains_outside_the_module_are_watched():
