@@ -104,3 +104,13 @@ def test_no_tracked_file_refers_outside_the_repository():
                 hits.append(f"{rel}:{n}: {line.decode(errors='replace').strip()}")
     assert not hits, ("these lines refer to files outside the repository; point them at docs/ "
                       "(docs/architecture.md, docs/kinds.md, ...):\n" + "\n".join(hits))
+
+
+def test_bench_readme_lists_every_script():
+    """bench/README.md's table names every program of bench/ (a new one is listed with it)."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "bench/README.md").read_text(encoding="utf-8")
+    scripts = [p.name for p in (root / "bench").iterdir()
+               if p.suffix in (".py", ".cpp", ".sh") and not p.name.startswith("__")]
+    missing = [n for n in scripts if f"`{n}`" not in text]
+    assert not missing, f"bench/README.md does not list {missing}"
