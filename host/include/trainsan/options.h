@@ -42,7 +42,8 @@ struct OptionInfo {
   const char* name;
   const char* type;           ///< "str", "int", "float" or "bool"
   std::string default_value;  ///< text form, as set() takes it
-  const char* choices;  ///< "a|b|c" for a string with fixed choices; the range of a number, "[1, inf)"
+  /// "a|b|c" for a string with fixed choices; a number's range, "[1, inf)"
+  const char* choices;
   const char* doc;
 };
 const std::vector<OptionInfo>& option_table();
