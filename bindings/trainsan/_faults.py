@@ -54,20 +54,26 @@ def absorb(san: Any, where: str, exc: Exception) -> bool:
     return True
 
 
+def guarded_call(san: Any, where: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) for sanitizer `san`, from the loop: nothing once it stopped checking,
+    and an exception absorbed or re-raised by `absorb` (Note [Faults])."""
+    if getattr(san, "_fault", None) is not None:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if not absorb(san, where, exc):
+            raise
+        return None
+
+
 def entry(method: Callable) -> Callable:
     """A sanitizer method the loop calls (a hook, a patch): Note [Faults]."""
     where = method.__name__.lstrip("_")
 
     @functools.wraps(method)
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fault is not None:
-            return None
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:
-            if not absorb(self, where, exc):
-                raise
-            return None
+        return guarded_call(self, where, method, self, *args, **kwargs)
 
     return call
 

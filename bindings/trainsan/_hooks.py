@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from . import _compile
-from ._faults import absorb
+from ._faults import guarded_call
 from ._patches import Patch
 
 _EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
@@ -118,14 +118,7 @@ def _weak_method(bound) -> Any:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         m = ref()
-        if m is None or getattr(m.__self__, "_fault", None) is not None:
-            return None
-        try:
-            return m(*args, **kwargs)
-        except Exception as exc:
-            if not absorb(m.__self__, where, exc):  # Note [Faults] (_faults.py)
-                raise
-            return None
+        return None if m is None else guarded_call(m.__self__, where, m, *args, **kwargs)
 
     return call
 

@@ -55,7 +55,8 @@ def enabled(kind: str, checks: dict) -> bool:
     return bool(checks.get(kind, KIND_ON[kind]))
 
 
-_TYPE_TEXT = {str: "a str (or a path)", int: "an int", float: "a number (or None, read as 0)", bool: "a bool"}
+_TYPE_TEXT = {str: "a str (or a path)", int: "an int", float: "a number (or None, read as 0)",
+              bool: "a bool"}
 
 
 def _has_type(v: Any, want: type) -> bool:
