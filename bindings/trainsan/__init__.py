@@ -10,18 +10,15 @@ import os
 
 import torch
 
-from . import recompute as _recompute
-from . import resume as _resume
 from ._attach import attach, attached
 from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._tables import KINDS, OPTIONS, Options
 from .attribution import poison_batches, skip_poison
 from .checkpoint import CheckpointReport, check_checkpoint
+from .resume import watch_loads
 from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, gradient_stats, tensor_stats, tensor_stats_async
 
-_resume.install()  # the load journal, from the script's first line (Note [Load journal])
-_recompute.install()  # the checkpoint wrapper, before models store it (Note [Recompute wrapper])
 
 
 def _version() -> str:
@@ -82,6 +79,7 @@ __all__ = [
     "tensor_stats",
     "tensor_stats_async",
     "gradient_stats",
+    "watch_loads",
 ]
 
 

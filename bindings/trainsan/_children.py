@@ -61,9 +61,27 @@ from typing import Any, Callable, Optional
 
 from . import _patches
 from ._gatherers import Replicas
+from ._registry import Patch
 
 _LIBRARIES = ("torch", "multiprocessing", "concurrent", "trainsan")
 _installed: Optional[Children] = None  # the launcher's, in its process (and inherited by forks)
+
+
+def _process_start() -> list:
+    orig = multiprocessing.process.BaseProcess.__dict__["start"]
+
+    def start(proc, *args, **kwargs):
+        if _installed is not None:
+            _installed._wrap(proc)
+        return orig(proc, *args, **kwargs)
+
+    start.__wrapped__ = orig  # type: ignore[attr-defined]
+    return [(multiprocessing.process.BaseProcess, "start", start)]
+
+
+# Note [Patches]: a process the launched script starts is checked too (Note [Launcher children]).
+_start_patch = Patch("process_start", ("launcher",), ["multiprocessing.process.BaseProcess.start"],
+                     _process_start)
 _dropped: list = []  # inherited sanitizers, kept alive for good (Note [Launcher children])
 
 
@@ -112,28 +130,17 @@ class Children:
         self.how: set = set()  # "torch.multiprocessing", "multiprocessing.Process"
         self.stopped: list = []  # "rank N: stopped at ...", read at the end
         self._processes = 0
-        self._orig: Optional[Callable] = None
 
     def install(self) -> None:
         global _installed
-        orig = multiprocessing.process.BaseProcess.__dict__["start"]
-
-        def start(proc, *args, **kwargs):
-            self._wrap(proc)
-            return orig(proc, *args, **kwargs)
-
-        start.__wrapped__ = orig  # type: ignore[attr-defined]
-        self._orig = orig
-        multiprocessing.process.BaseProcess.start = start
         _installed = self
+        _start_patch.acquire("launcher")
 
     def uninstall(self) -> None:
         global _installed
-        if self._orig is not None:
-            multiprocessing.process.BaseProcess.start = self._orig
-            self._orig = None
         if _installed is self:
             _installed = None
+            _start_patch.release("launcher")
 
     def _wrap(self, proc: multiprocessing.process.BaseProcess) -> None:
         target = getattr(proc, "_target", None)

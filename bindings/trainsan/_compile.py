@@ -48,7 +48,8 @@ import weakref
 
 import torch
 
-from ._patches import Patch, _open_sanitizers, attached_to
+from ._patches import _open_sanitizers, attached_to
+from ._registry import Patch
 
 is_compiling = torch.compiler.is_compiling
 
@@ -134,12 +135,14 @@ class _CompilePatch:
     def __init__(self):
         self.users = 0
         self._base = Patch(
+            "compile", ("attach",), ["torch.compile", "torch.nn.Module.compile"],
             lambda: [
                 (torch, "compile", _torch_compile(torch.__dict__["compile"])),
                 (torch.nn.Module, "compile", _module_compile(torch.nn.Module.__dict__["compile"])),
             ]
         )
         self._late = Patch(
+            "compiled_call", ("attach",), ["torch._dynamo.eval_frame.OptimizedModule.__call__"],
             lambda: [
                 (cls, "__call__", _optimized_call(cls.__dict__["__call__"]))
                 for cls in [_optimized_module_cls()]
@@ -148,18 +151,18 @@ class _CompilePatch:
         self._late_held = False
         self._callback = None
 
-    def acquire(self) -> None:
-        self._base.acquire()
+    def acquire(self, lifetime: str = "attach") -> None:
+        self._base.acquire(lifetime)
         self.users += 1
         self.dynamo_loaded()
 
-    def release(self) -> None:
-        self._base.release()
+    def release(self, lifetime: str = "attach") -> None:
+        self._base.release(lifetime)
         self.users -= 1
         if self.users == 0:
             if self._late_held:
                 self._late_held = False
-                self._late.release()
+                self._late.release("attach")
             if self._callback is not None and dynamo() is not None:
                 try:
                     dynamo().callback_handler.remove_start_callback(self._callback)
@@ -174,7 +177,7 @@ class _CompilePatch:
             return
         if not self._late_held:
             self._late_held = True
-            self._late.acquire()
+            self._late.acquire("attach")
         if self._callback is None:
             try:
                 self._callback = dynamo().callback_handler.register_start_callback(

@@ -75,11 +75,11 @@ class Hooks(Gatherer):
 
 
 class Held(Gatherer):
-    """A process-wide patch (_patches.Patch), held from now until close; `before_release` runs
-    first then."""
+    """A process-wide patch (_registry.Patch, or resume.journal), held for the "attach" lifetime
+    from now until close (Note [Patches]); `before_release` runs first then."""
 
     def __init__(self, patch, before_release: Optional[Callable[[], None]] = None) -> None:
-        patch.acquire()
+        patch.acquire("attach")
         self._patch = patch
         self._before_release = before_release
 
@@ -88,7 +88,7 @@ class Held(Gatherer):
             patch, self._patch = self._patch, None
             if self._before_release is not None:
                 self._before_release()
-            patch.release()
+            patch.release("attach")
         return []
 
 

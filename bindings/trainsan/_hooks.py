@@ -43,7 +43,7 @@ import torch
 
 from . import _compile
 from ._faults import guarded_call
-from ._patches import Patch
+from ._registry import Patch
 
 _EAGER_METHODS = ("_on_forward", "_pre_step", "_post_step")
 
@@ -153,7 +153,8 @@ def _module_getstate() -> list:
     return [(torch.nn.Module, "__getstate__", __getstate__)]
 
 
-_getstate_patch = Patch(_module_getstate)
+_getstate_patch = Patch("getstate", ("attach",), ["torch.nn.Module.__getstate__"],
+                        _module_getstate)
 
 
 def _scaler_found_inf(opt) -> bool:

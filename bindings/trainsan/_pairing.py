@@ -21,9 +21,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import trainsan
 
-from . import _compile, _patches
+from . import _compile, _patches, resume
 from ._facts import script_names
 from ._gatherers import RootlessForwards
+from ._registry import Patch
 
 # -- pairing optimizers with models ---------------------------------------------------------------
 
@@ -152,6 +153,26 @@ def _one_model(roots: list) -> torch.nn.Module:
     return combined
 
 
+_pairers: list = []  # the installed Pairers (one per process in practice)
+
+
+def _optimizer_init() -> list:
+    orig = torch.optim.Optimizer.__dict__["__init__"]
+
+    def __init__(opt, *args, **kwargs):
+        orig(opt, *args, **kwargs)
+        for pairer in list(_pairers):
+            pairer._optimizer_built(opt)
+
+    __init__.__wrapped__ = orig  # type: ignore[attr-defined]
+    return [(torch.optim.Optimizer, "__init__", __init__)]
+
+
+# Note [Patches]: every optimizer built while the launcher runs is numbered (its pairing).
+_init_patch = Patch("optimizer_init", ("launcher",), ["torch.optim.Optimizer.__init__"],
+                    _optimizer_init)
+
+
 class Pairer:
     """Attaches a sanitizer to each optimizer the script builds (Note [Launcher pairing])."""
 
@@ -170,58 +191,61 @@ class Pairer:
         self._depth = threading.local()
         self._module_hooks: list = []
         self._step_hook = None
-        self._init = None
-        self._backward = None
+        self._journal = False  # holds the load journal
+        self._init = False  # holds the "optimizer_init" patch
+        self._backward = False  # holds the "backward" patch
 
     # installation -------------------------------------------------------------------------------
 
     def install(self) -> None:
-        orig = torch.optim.Optimizer.__dict__["__init__"]
-
-        def __init__(opt, *args, **kwargs):
-            orig(opt, *args, **kwargs)
-            self._built += 1
-            self._order[opt] = self._built
-            self._built_types.append(type(opt).__name__)
-            self._sync_hooks()
-
-        __init__.__wrapped__ = orig  # type: ignore[attr-defined]
-        self._init = (orig, __init__)
-        torch.optim.Optimizer.__init__ = __init__
+        # The load journal from the script's first line (Note [Load journal]): the loads before
+        # the first training forward, where the launcher attaches, are judged at that attach.
+        resume.journal.acquire("launcher")
+        self._journal = True
+        _pairers.append(self)
+        self._init = True
+        _init_patch.acquire("launcher")
         self._step_hook = register_optimizer_step_pre_hook(self._on_step)
-        orig_backward = torch.autograd.backward
-        pairer = self
-
-        def backward(tensors, *args, **kwargs):
-            if pairer._init is not None and pairer._pending() and not _compile.is_compiling():
-                made = pairer._on_backward()
-                if made:  # not open when the sanitizers' own backward wrapper ran: tell them
-                    _patches.backward_seen(tensors, made)
-            return orig_backward(tensors, *args, **kwargs)
-
-        backward.__wrapped__ = orig_backward  # type: ignore[attr-defined]
-        torch.autograd.backward = backward
-        self._backward = (orig_backward, backward)
+        _patches.before_backward.append(self._before_backward)
+        _patches._loss_patch.acquire("launcher")
+        self._backward = True
         # OptimizedModule warns that global module hooks fire once more for it: ours expect that.
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there "
                                 "are global hooks")
         self._sync_hooks()
 
+    def _optimizer_built(self, opt) -> None:
+        """Optimizer.__init__ returned (the "optimizer_init" patch)."""
+        self._built += 1
+        self._order[opt] = self._built
+        self._built_types.append(type(opt).__name__)
+        self._sync_hooks()
+
+    def _before_backward(self) -> list:
+        """Before a backward (the "backward" patch, after the open sanitizers saw it): the
+        sanitizers attached for the optimizers still unpaired (Note [Loss roots])."""
+        if self._init and self._pending() and not _compile.is_compiling():
+            return self._on_backward()
+        return []
+
     def uninstall(self) -> None:
         self._set_module_hooks(False)
+        if self._journal:
+            self._journal = False
+            resume.journal.release("launcher")
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self._init is not None:
-            orig, ours = self._init
-            if torch.optim.Optimizer.__dict__.get("__init__") is ours:
-                torch.optim.Optimizer.__init__ = orig
-            self._init = None  # the backward wrapper, if still wrapped by another, passes through
-        if self._backward is not None:
-            orig, ours = self._backward
-            if torch.autograd.backward is ours:
-                torch.autograd.backward = orig
-            self._backward = None
+        if self._init:
+            self._init = False
+            _init_patch.release("launcher")
+            if self in _pairers:
+                _pairers.remove(self)
+        if self._backward:
+            self._backward = False
+            if self._before_backward in _patches.before_backward:
+                _patches.before_backward.remove(self._before_backward)
+            _patches._loss_patch.release("launcher")
 
     def _active(self) -> list:
         return [p for p in self.pairings if not p.replaced]

@@ -1,8 +1,10 @@
-"""Process-wide patches (Patch), each installed while at least one sanitizer is open (reference
-counted; the original is restored on the last close): GradScaler.step (AMP skips), DataLoader
-iteration (Note [Stuck data], Note [Repeated batches]), Optimizer/Module.zero_grad (Note
-[Discarded gradients]) and torch.autograd.backward / GradScaler.scale (Note [Loss roots]); and the
-registries of open sanitizers they and the compile entry (_compile.py) look sanitizers up in."""
+"""Process-wide patches (Note [Patches], _registry.py), each installed while at least one
+sanitizer is open: GradScaler.step (AMP skips), DataLoader iteration (Note [Stuck data], Note
+[Repeated batches]; also held by the load journal for Note [Data position]),
+Optimizer/Module.zero_grad (Note [Discarded gradients]), torch.autograd.backward /
+GradScaler.scale (Note [Loss roots]; also held by the launcher, whose pairing runs first) and
+torch.save (Note [Checkpoint checks]); and the registries of open sanitizers they and the compile
+entry (_compile.py) look sanitizers up in."""
 
 from __future__ import annotations
 
@@ -11,35 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import _foreign
+from . import _foreign, _position
 from ._findings import TrainingBugError
-
-
-class Patch:
-    """Attributes replaced while at least one user holds the patch (reference counted). The first
-    acquire() installs what `make()` returns, a list of (owner, name, replacement) built around the
-    current attributes; the last release() puts the originals back, each only where the attribute
-    is still ours (someone may have wrapped it again since)."""
-
-    def __init__(self, make):
-        self.users = 0
-        self._make = make
-        self._saved: list = []  # (owner, name, original, replacement)
-
-    def acquire(self) -> None:
-        if self.users == 0:
-            for owner, name, new in self._make():
-                self._saved.append((owner, name, owner.__dict__[name], new))
-                setattr(owner, name, new)
-        self.users += 1
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users == 0:
-            for owner, name, orig, new in self._saved:
-                if owner.__dict__.get(name) is new:
-                    setattr(owner, name, orig)
-            self._saved = []
+from ._registry import Patch
 
 
 # The open sanitizers, held weakly (Note [Sanitizer lifetime] in _hooks.py).
@@ -165,7 +141,7 @@ def _scaler_step() -> list:
     return [(torch.amp.GradScaler, "step", step)]
 
 
-_scaler_patch = Patch(_scaler_step)
+_scaler_patch = Patch("scaler_step", ("attach",), ["torch.amp.GradScaler.step"], _scaler_step)
 
 
 # duplicate_batch (Note [Stuck data]): while any sanitizer is open, DataLoader.__iter__ and the
@@ -214,6 +190,10 @@ def _loader_iteration() -> list:
     orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
 
     def __iter__(self):
+        if not _loader_patch.held("attach"):  # the load journal's alone: the data position
+            it = orig_iter(self)
+            _position.iterated(self, it)
+            return it
         try:
             st = _loader_yielded.get(self)
             if st is not None and st[0] == 1:
@@ -226,6 +206,7 @@ def _loader_iteration() -> list:
         except Exception:
             pass
         it = orig_iter(self)
+        _position.iterated(self, it)  # Note [Data position]
         try:
             st = [0]
             _loader_yielded[self] = st
@@ -255,7 +236,10 @@ def _loader_iteration() -> list:
     return [(DataLoader, "__iter__", __iter__), (_BaseDataLoaderIter, "__next__", __next__)]
 
 
-_loader_patch = Patch(_loader_iteration)
+_loader_patch = Patch(
+    "loader_iteration", ("attach", "launcher", "watch"),
+    ["torch.utils.data.DataLoader.__iter__",
+     "torch.utils.data.dataloader._BaseDataLoaderIter.__next__"], _loader_iteration)
 
 
 # nonfinite_grad of a loop that skips its step (Note [Discarded gradients], host/sanitizer.cpp):
@@ -282,7 +266,9 @@ def _zero_grad() -> list:
             (torch.nn.Module, "zero_grad", mod_zero_grad)]
 
 
-_zero_grad_patch = Patch(_zero_grad)
+_zero_grad_patch = Patch("zero_grad", ("attach",),
+                         ["torch.optim.Optimizer.zero_grad", "torch.nn.Module.zero_grad"],
+                         _zero_grad)
 
 
 # The loss without watch_loss (Note [Loss roots]): torch.autograd.backward (which
@@ -313,6 +299,9 @@ _zero_grad_patch = Patch(_zero_grad)
 # that reached none of a sanitizer's parameters but other requires-grad leaves is a foreign
 # backward to it (Note [Foreign backwards], _foreign.py).
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
+# Called by the backward wrapper after the open sanitizers saw the backward: each returns the
+# sanitizers it attached just now (the launcher's Pairer._before_backward), which see it then.
+before_backward: list = []
 _WALK_LIMIT = 20000
 
 
@@ -409,6 +398,10 @@ def _loss_roots() -> list:
 
     def backward(tensors, *args, **kwargs):
         backward_seen(tensors)
+        for hook in list(before_backward):  # the launcher's pairing (_pairing.py)
+            made = hook()
+            if made:  # attached now, after the open sanitizers were told above: tell them
+                backward_seen(tensors, made)
         return orig_backward(tensors, *args, **kwargs)
 
     def scale(self, outputs):
@@ -427,7 +420,8 @@ def _loss_roots() -> list:
     return [(torch.autograd, "backward", backward), (torch.amp.GradScaler, "scale", scale)]
 
 
-_loss_patch = Patch(_loss_roots)
+_loss_patch = Patch("backward", ("attach", "launcher"),
+                    ["torch.autograd.backward", "torch.amp.GradScaler.scale"], _loss_roots)
 
 
 # bad_checkpoint (Note [Checkpoint checks], host/checks/checkpoint.cpp): torch.save is wrapped
@@ -456,4 +450,4 @@ def _save() -> list:
     return [(torch, "save", save)]
 
 
-_save_patch = Patch(_save)
+_save_patch = Patch("save", ("attach",), ["torch.save"], _save)

@@ -2,9 +2,10 @@
 DataLoader fed the first training forward after the model's load, how far its pass had got, and
 whether its position was restored; and the layout of a strict=False load (Note [Renamed layers]).
 
-DataLoader.__iter__ is wrapped for good from `import trainsan` on (resume.install()): each new
-iterator is numbered and the last few are kept by weak reference — a few operations per pass over
-a loader, nothing per batch (the iterator counts its own batches: _num_yielded)."""
+While the load journal is installed (Note [Load journal]), each new DataLoader iterator is
+numbered and the last few are kept by weak reference (iterated(), called by the one
+DataLoader.__iter__ wrapper, _patches.py) — a few operations per pass over a loader, nothing per
+batch (the iterator counts its own batches: _num_yielded)."""
 
 from __future__ import annotations
 
@@ -57,30 +58,14 @@ def counters(obj: Mapping) -> tuple:
     return epoch, step, step_key, loader_key
 
 
-def _wrap_iter() -> None:
-    from torch.utils.data import DataLoader
-
-    orig = DataLoader.__iter__
-    if getattr(orig, "_trainsan_position", False):
-        return
-
-    def __iter__(self):
-        it = orig(self)
-        try:
-            _serial[0] += 1
-            _iters.append((_serial[0], weakref.ref(self), weakref.ref(it)))
-        except TypeError:
-            pass
-        return it
-
-    __iter__.__wrapped__ = orig  # type: ignore[attr-defined]
-    __iter__._trainsan_position = True  # type: ignore[attr-defined]
-    DataLoader.__iter__ = __iter__
-
-
-def install() -> None:
-    """From `import trainsan` on (resume.install())."""
-    _wrap_iter()
+def iterated(loader: Any, it: Any) -> None:
+    """A new iterator of `loader` (the one DataLoader.__iter__ wrapper, _patches.py): numbered,
+    and the last few kept by weak reference."""
+    try:
+        _serial[0] += 1
+        _iters.append((_serial[0], weakref.ref(loader), weakref.ref(it)))
+    except TypeError:
+        pass
 
 
 def _latest(after: int) -> Optional[tuple]:

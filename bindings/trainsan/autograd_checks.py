@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _native
-from ._patches import Patch
+from ._registry import Patch
 
 _ops = torch.ops.trainsan
 
@@ -300,18 +300,19 @@ def _function_apply() -> list:
     return [(torch.autograd.Function, "apply", classmethod(apply))]
 
 
-_fn_patch = Patch(_function_apply)
+_fn_patch = Patch("function_apply", ("attach",), ["torch.autograd.Function.apply"],
+                  _function_apply)
 
 
 def _patch_function_apply(checker: "CustomGradCheck") -> None:
     _fn_users.append(checker)
-    _fn_patch.acquire()
+    _fn_patch.acquire("attach")
 
 
 def _unpatch_function_apply(checker: "CustomGradCheck") -> None:
     if checker in _fn_users:
         _fn_users.remove(checker)
-        _fn_patch.release()
+        _fn_patch.release("attach")
 
 
 def _capturing() -> bool:

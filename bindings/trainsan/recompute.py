@@ -6,8 +6,8 @@ whose gradients are those of the second call. On the steps recompute_every sampl
 function is wrapped (_Region) so that its first call and its second fingerprint their floating
 outputs and the RNG states at their starts; before the optimizer step the sanitizer hands each
 region's two records to the C++ comparison (trainsan::compare_recompute), which words a difference.
-The wrapper is installed at `import trainsan` (install(), as the load journal): a model's
-gradient_checkpointing_enable() keeps the checkpoint function it finds then. Unsampled steps cost
+The wrapper is installed while a sanitizer is attached (Note [Patches]); attach re-points the
+module globals and the model's stored checkpoint functions made before it. Unsampled steps cost
 one check of a flag per region call (Note [Recompute wrapper]).
 """
 
@@ -27,15 +27,17 @@ from ._hooks import DUE_RECOMPUTE
 from ._facts import _local
 from .determinism import _rng
 from .precision import _float_tensors
+from ._registry import Patch
 from .replicas import _HASH_COL
 
 # Note [Recompute wrapper]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# torch.utils.checkpoint.checkpoint is replaced, once, at `import trainsan`, by checkpoint()
-# below; so is every other module's global that holds the original (transformers' modeling_utils
-# imports it by name, and gradient_checkpointing_enable() stores functools.partial(checkpoint,
-# **kwargs) on the model's layers: attach() re-points those partials too, and
-# checkpoint_sequential() calls the module's global, so it goes through the wrapper as well).
+# torch.utils.checkpoint.checkpoint is replaced, while a sanitizer is attached (the "checkpoint"
+# row of Note [Patches]), by checkpoint() below; so is every other module's global that holds the
+# original (transformers' modeling_utils imports it by name, and gradient_checkpointing_enable()
+# stores functools.partial(checkpoint, **kwargs) on the model's layers: attach() re-points those
+# partials too, and checkpoint_sequential() calls the module's global, so it goes through the
+# wrapper as well). The last close puts every one of them back.
 # While no open sanitizer samples its current step (_sampling[0] == 0), the wrapper calls the
 # original at once: one check of a flag per region call. On a sampled step it wraps the region's
 # function in a _Region, which fingerprints what its first two calls return: the forward (under
@@ -120,39 +122,41 @@ def _repoint(obj: Any) -> Any:
     return None
 
 
-def rebind(model: Optional[torch.nn.Module] = None) -> None:
-    """Point the modules' globals (and `model`'s stored checkpoint functions) that hold the
-    original checkpoint at ours (Note [Recompute wrapper])."""
-    if not _installed:
-        return
+def _globals() -> list:
+    """(module, name, ours) for each module global that holds the original checkpoint."""
+    out = []
     for mod in list(sys.modules.values()):
         d = getattr(mod, "__dict__", None)
         if not isinstance(d, dict) or mod is _tuc or d is globals():
             continue
         try:
-            for name, v in list(d.items()):
-                if v is _ORIGINAL:
-                    d[name] = checkpoint
+            out += [(mod, name, checkpoint) for name, v in list(d.items()) if v is _ORIGINAL]
         except Exception:  # noqa: BLE001 - an odd module object
             continue
+    return out
+
+
+def rebind(model: Optional[torch.nn.Module] = None) -> None:
+    """Point the modules' globals (and `model`'s stored checkpoint functions) that hold the
+    original checkpoint at ours (Note [Recompute wrapper]); put back with the patch."""
+    if not _patch.held():
+        return
+    _patch.extend(_globals())
     if model is not None:
+        stored = []
         for m in model.modules():
             f = m.__dict__.get("_gradient_checkpointing_func")
             new = _repoint(f) if f is not None else None
             if new is not None:
-                m._gradient_checkpointing_func = new
+                stored.append((m, "_gradient_checkpointing_func", new))
+        _patch.extend(stored)
 
 
-_installed: list = []
-
-
-def install() -> None:
-    """The wrapper (Note [Recompute wrapper]): installed once, at `import trainsan`."""
-    if _installed or _tuc.checkpoint is not _ORIGINAL:
-        return
-    _tuc.checkpoint = checkpoint
-    _installed.append(True)
-    rebind()
+_patch = Patch("checkpoint", ("attach",),
+               ["torch.utils.checkpoint.checkpoint", "* module globals bound to it",
+                "* a model's stored partial(checkpoint) (_gradient_checkpointing_func)"],
+               lambda: [(_tuc, "checkpoint", checkpoint)] * (_tuc.checkpoint is _ORIGINAL) +
+               _globals())
 
 
 def _module_of(fn: Any, names: dict) -> tuple:
@@ -233,6 +237,8 @@ class RecomputeWatch:
         self._ref = weakref.ref(san)
         self._model = model
         self._sampling = False
+        _patch.acquire("attach")
+        self._held = True
         rebind(model)  # gradient_checkpointing_enable() before attach (Note [Recompute wrapper])
 
     def on_forward(self) -> None:
@@ -240,7 +246,7 @@ class RecomputeWatch:
         if self._sampling:
             return
         san = self._ref()
-        if san is None or san._closed or not _installed or not san._due_flag(DUE_RECOMPUTE):
+        if san is None or san._closed or not _patch.held() or not san._due_flag(DUE_RECOMPUTE):
             return
         self._sampling = True
         _sampling[0] += 1
@@ -286,6 +292,9 @@ class RecomputeWatch:
         self._stop()
         if not _sampling[0]:
             _regions.clear()
+        if self._held:
+            self._held = False
+            _patch.release("attach")
 
     def __del__(self) -> None:  # a sanitizer dropped without close() samples no more
         self._stop()

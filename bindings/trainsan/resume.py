@@ -1,9 +1,11 @@
 """Resumes (optimizer_reset; bad_checkpoint of a lossy load): the facts of Note [Resume checks]
 in host/checks/resume.cpp, gathered from torch.load, Module.load_state_dict,
-Optimizer.load_state_dict and the schedulers' load_state_dict, wrapped from `import trainsan` on
-and written to a process-wide load journal (Note [Load journal]): handed at once to the open
-sanitizers they concern, and replayed to a sanitizer attached after them, so that loads made
-before attach (the launcher attaches at the model's first training forward) are judged too.
+Optimizer.load_state_dict and the schedulers' load_state_dict, wrapped while the load journal is
+held (the launcher, trainsan.watch_loads(), an attached sanitizer: Note [Patches]) and written to
+a process-wide journal (Note [Load journal]): handed at once to the open sanitizers they concern,
+and replayed to a sanitizer attached after them, so that loads made before attach (the launcher
+attaches at the model's first training forward) are judged too; without it, an attach judges
+what it can see (Note [Loads before attach]).
 
 What a torch.load returned is remembered by the identity of the dicts inside it (id, size and
 first key: nothing is kept alive), so that a model.load_state_dict(ckpt["model"]) knows what else
@@ -22,7 +24,8 @@ import torch
 
 from . import _native, _position, _resume_fit
 from ._findings import TrainingBugError
-from ._patches import open_sanitizers
+from ._patches import _loader_patch, open_sanitizers
+from ._registry import Patch
 from .checkpoint import state_mismatches
 
 _PROGRESS_KEYS = ("epoch", "step", "global_step", "iteration", "iter", "steps", "epochs")
@@ -133,11 +136,13 @@ def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
 # Note [Load journal]
 # ~~~~~~~~~~~~~~~~~~~
 # A resume is usually restored before the first forward, so before `python -m trainsan run`
-# attaches (at the model's first training forward) and before most explicit attach() calls. From
-# `import trainsan` on, torch.load, Module.load_state_dict, Optimizer.load_state_dict, the
-# schedulers' load_state_dict and the load_state_dict of DataLoader and Sampler subclasses that
-# define one (torchdata's StatefulDataLoader and StatefulDistributedSampler, a custom sampler)
-# are wrapped for good, and every load is written to a process-wide journal: the last
+# attaches (at the model's first training forward) and before most explicit attach() calls.
+# While the journal is held (the "load_journal" row of Note [Patches]: by the launcher from the
+# script's first line, by trainsan.watch_loads(), by every attached sanitizer), torch.load,
+# Module.load_state_dict, Optimizer.load_state_dict, the schedulers' load_state_dict and the
+# load_state_dict of DataLoader and Sampler subclasses that define one (torchdata's
+# StatefulDataLoader and StatefulDistributedSampler, a custom sampler) are wrapped, and every
+# load is written to a process-wide journal: the last
 # _JOURNALED loads, in order, each holding only a weak reference to what was loaded and what the
 # load needs later — a model load keeps the CkptInfo of the torch.load it came from (looked up
 # at the load), the strict flag, the missing/unexpected key names and weak references to the
@@ -311,7 +316,6 @@ def _concerns(e: _Load, san) -> bool:
 def replay_loads(san) -> None:
     """At attach: the journaled loads that concern `san` and still wait for their judgement, in
     order (Note [Load journal])."""
-    _guard(_wrap_loader_classes, what="loader loads are not journaled")
     for e in list(_journal):
         if e.waiting and _concerns(e, san):
             _guard(_deliver, e, san, True, what="this load before attach is not judged")
@@ -371,7 +375,8 @@ def _patches() -> list:
 
 # Loader and sampler state (Note [Load journal]): the load_state_dict of every subclass of
 # DataLoader or Sampler that defines one, wrapped when first seen: at install, at every torch.load
-# (a resume loads its checkpoint before restoring the loader from it) and at every attach.
+# (a resume loads its checkpoint before restoring the loader from it) and at every attach, while
+# the journal is held.
 _loader_depth = [0]  # a subclass's load_state_dict calling its base's is one load
 
 
@@ -392,10 +397,12 @@ def _loader_wrapper(orig):
     return load_state_dict
 
 
-def _wrap_loader_classes() -> None:
+def _loader_classes() -> list:
+    """(class, "load_state_dict", wrapper) for each subclass of DataLoader or Sampler that
+    defines a load_state_dict not wrapped yet."""
     from torch.utils.data import DataLoader, Sampler
 
-    stack, seen = [DataLoader, Sampler], set()
+    out, stack, seen = [], [DataLoader, Sampler], set()
     while stack:
         c = stack.pop()
         if c in seen:
@@ -403,28 +410,122 @@ def _wrap_loader_classes() -> None:
         seen.add(c)
         f = c.__dict__.get("load_state_dict")
         if callable(f) and not getattr(f, "_trainsan_journal", False):
-            try:
-                c.load_state_dict = _loader_wrapper(f)
-            except (TypeError, AttributeError):
-                pass
+            out.append((c, "load_state_dict", _loader_wrapper(f)))
         try:
             stack.extend(c.__subclasses__())
         except TypeError:
             pass
+    return out
 
 
-_installed: list = []
+def _wrap_loader_classes() -> None:
+    """The loader classes defined since the journal was installed (it is held)."""
+    if _journal_patch.held():
+        _journal_patch.extend(_loader_classes())
 
 
-def install() -> None:
-    """The load journal (Note [Load journal]): installed once, at `import trainsan`."""
-    if _installed:
-        return
-    for owner, name, new in _patches():
-        setattr(owner, name, new)
-    _installed.append(True)
-    _guard(_wrap_loader_classes)
-    _guard(_position.install, what="the data position after a resume is not judged")
+def _journal_targets() -> list:
+    return _patches() + _loader_classes()
+
+
+_journal_patch = Patch(
+    "load_journal", ("attach", "launcher", "watch"),
+    ["torch.load", "torch.nn.Module.load_state_dict", "torch.optim.Optimizer.load_state_dict",
+     "torch.optim.lr_scheduler.*.load_state_dict",
+     "torch.utils.data.{DataLoader,Sampler} subclasses' load_state_dict"], _journal_targets)
+
+
+class _Journal:
+    """The load journal (Note [Load journal]) with the data position's loader numbering: the two
+    patches held together, by a sanitizer ("attach"), the launcher, or watch_loads() ("watch")."""
+
+    def acquire(self, lifetime: str) -> None:
+        _journal_patch.acquire(lifetime)
+        _loader_patch.acquire(lifetime)
+        _guard(_wrap_loader_classes, what="loader loads are not journaled")
+
+    def release(self, lifetime: str) -> None:
+        _loader_patch.release(lifetime)
+        _journal_patch.release(lifetime)
+
+
+journal = _Journal()
+
+
+def watching_before(lifetime: str = "") -> bool:
+    """Whether the journal is held (by a holder of `lifetime`)."""
+    return _journal_patch.held(lifetime)
+
+
+# Note [Loads before attach]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The journal is installed by the launcher before the script's first line, by trainsan.
+# watch_loads(), and by an attach for the loads after it (Note [Patches]); `import trainsan`
+# installs nothing. An explicit attach made after loads nobody journaled judges what it can see
+# of them at attach: an optimizer that keeps state (Adam, SGD with momentum), holds none, and has
+# a learning-rate scheduler past its first epoch (found among the optimizer's referrers, looked
+# for only where a scheduler was built over it: schedulers set each group's initial_lr). A
+# scheduler steps after its optimizer, so one past epoch 0 over an optimizer that never stepped
+# was restored from a checkpoint whose optimizer state was not: unless optimizer.load_state_dict
+# comes before the optimizer's first step, that step gives optimizer_reset
+# (scheduler_epoch_at_attach, host/checks/resume.cpp). What such an attach cannot see — a model
+# load without its optimizer's when no scheduler was restored either, a strict=False load's
+# dropped keys, a state restored by position, the data position — needs the journal: one line,
+# trainsan.watch_loads(), before the loads.
+def _scheduler_epochs(opt) -> list:
+    """The last_epoch of each learning-rate scheduler that holds `opt` (one walk of the
+    optimizer's referrers: the scheduler, or its __dict__ where that is a dict of its own, as
+    after its load_state_dict)."""
+    import gc
+
+    from torch.optim.lr_scheduler import LRScheduler
+
+    out = []
+    for r in gc.get_referrers(opt):
+        d = vars(r) if isinstance(r, LRScheduler) else r
+        if isinstance(d, dict) and d.get("optimizer") is opt and "base_lrs" in d:
+            epoch = d.get("last_epoch")
+            if isinstance(epoch, int) and not isinstance(epoch, bool):
+                out.append(epoch)
+    return out
+
+
+class LoadWatch:
+    """What trainsan.watch_loads() returns: the load journal held until close() (or the end of a
+    `with` block; Note [Load journal])."""
+
+    def __init__(self) -> None:
+        journal.acquire("watch")
+        self._held = True
+
+    def close(self) -> None:
+        if self._held:
+            self._held = False
+            journal.release("watch")
+
+    def __enter__(self) -> "LoadWatch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def watch_loads() -> LoadWatch:
+    """Journal every load from now on, for the sanitizers attached later (Note [Load journal]).
+
+    ``import trainsan`` replaces nothing in torch. The launcher (``python -m trainsan run``)
+    journals the loads from the script's first line; a script that attaches explicitly after
+    restoring a checkpoint calls this once before the loads::
+
+        trainsan.watch_loads()
+        model.load_state_dict(ckpt["model"])  # judged at attach, as if attached before
+        san = trainsan.attach(model, optimizer)
+
+    It wraps torch.load and the ``load_state_dict`` of modules, optimizers, schedulers, data
+    loaders and samplers (Note [Patches]) until the returned handle is closed (it is also a
+    context manager); without it an explicit attach judges only what it can see at attach (Note
+    [Loads before attach])."""
+    return LoadWatch()
 
 
 def _stateful(opt: torch.optim.Optimizer) -> bool:
@@ -444,6 +545,7 @@ class ResumeWatch:
         self._restored: set = set()  # optimizer indices restored while attached
         self._sched_restored: set = set()
         self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
+        self._at_attach: dict = {}  # optimizer index -> its scheduler's epoch (Note [Loads before attach])
 
     def _san(self):
         san = self._ref()
@@ -525,8 +627,28 @@ class ResumeWatch:
         if k is not None:
             self._sched_restored.add(k)
 
+    def seen_at_attach(self) -> None:
+        """Note [Loads before attach]: what an attach made without the journal can still see."""
+        san = self._san()
+        if san is None:
+            return
+        for k, opt in enumerate(san._optimizers):
+            if k in self._pending or k in self._restored or not _stateful(opt) or opt.state or not any(
+                    "initial_lr" in g for g in opt.param_groups):
+                continue  # state, or no scheduler was ever built over it (it sets initial_lr)
+            epoch = max(_scheduler_epochs(opt), default=0)
+            if epoch > 0:
+                self._at_attach[k] = epoch
+
     def first_step(self, k: int) -> None:
         """Before optimizer k's first step after the model's load or its own."""
+        at_attach = self._at_attach.pop(k, 0)
+        if at_attach and k not in self._restored:
+            san = self._san()
+            opt = san._optimizers[k] if san is not None else None
+            if opt is not None and not opt.state:
+                self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, stateful=True,
+                           optimizer_with_state=0, scheduler_epoch_at_attach=at_attach)
         if k not in self._pending and k not in self._moments_due:
             return
         e = self._pending.pop(k, None)

@@ -43,7 +43,7 @@ from .determinism import Rerun
 from .precision import Provenance, write_headroom
 from .attribution import attributed, attribution
 from .replicas import ReplicaComparison, active as replicas_active
-from .resume import ResumeWatch, replay_loads
+from .resume import ResumeWatch, journal, replay_loads, watching_before
 from .stats import TensorStats, _unpack
 
 __all__ = [
@@ -249,6 +249,8 @@ class Sanitizer:
         self._parts += [Reruns(self._rerun), attribution(self, model, options)]
         self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
         self._parts.append(Resumes(self._resume))
+        journaled = watching_before()  # Note [Loads before attach]
+        self._parts.append(Held(journal))  # the loads from now on (Note [Load journal])
         self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
         self._parts.append(Provenances(self._prov))
         if RootlessForwards.needed(model):  # Note [Models without a root forward]
@@ -260,6 +262,8 @@ class Sanitizer:
         # finding that raises (policy raise) leaves nothing attached.
         try:
             replay_loads(self)
+            if not journaled:
+                self._resume.seen_at_attach()
         except TrainingBugError:
             try:
                 self.close()

@@ -165,7 +165,22 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
           f.params_not_loaded > 0 || !f.checkpoint_optimizer_fits ||
           (f.trainable_params >= 0 && f.checkpoint_state_params > f.trainable_params);
       bool forgotten = false;
-      if (f.checkpoint_has_optimizer_state && !f.optimizer_restored &&
+      if (f.scheduler_epoch_at_attach > 0 && !f.optimizer_restored && f.stateful &&
+          f.optimizer_with_state == 0) {
+        // Note [Loads before attach] (resume.py): the loads were not journaled; what attach saw.
+        forgotten = true;
+        sink_.add(Kind::optimizer_reset, "",
+                  "a learning-rate scheduler of " + opt + " was at epoch " +
+                      std::to_string(f.scheduler_epoch_at_attach) +
+                      " when TrainSan attached, but the optimizer held no state and was not "
+                      "restored before this step: the run resumes its schedule with a fresh "
+                      "optimizer — momentum and Adam's moments from zero, bias correction from "
+                      "step 1 — call optimizer.load_state_dict(...) with the checkpoint's "
+                      "optimizer state (trainsan.watch_loads() before the loads lets TrainSan "
+                      "judge them in full)",
+                  static_cast<double>(f.scheduler_epoch_at_attach), step);
+      }
+      if (!forgotten && f.checkpoint_has_optimizer_state && !f.optimizer_restored &&
           f.optimizer_with_state == 0 && !fine_tune) {
         forgotten = true;
         sink_.add(Kind::optimizer_reset, "",

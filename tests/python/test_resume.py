@@ -21,6 +21,16 @@ import torch.nn as nn
 import trainsan
 
 
+@pytest.fixture(autouse=True)
+def _watched_loads():
+    """These tests judge loads made before an explicit attach: journaled as trainsan.watch_loads()
+    journals them (`import trainsan` installs nothing: Note [Patches]; test_patches.py covers an
+    attach without it)."""
+    with trainsan.watch_loads():
+        yield
+
+
+
 def make_model(head=2):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, head))
@@ -164,7 +174,8 @@ def test_strict_false_prefix_and_frozen_drops_are_found(ckpt):
 
 
 def test_journal_wrappers_stay_installed_across_attach_and_close():
-    # Installed at import (Note [Load journal]): an attach and its close leave them as they are.
+    # Held by watch_loads() (the fixture; Note [Load journal]): an attach and its close leave the
+    # wrappers as they are; the watch's close gives torch its own back.
     owners = [(torch, "load"), (torch.nn.Module, "load_state_dict"),
               (torch.optim.Optimizer, "load_state_dict"),
               (torch.optim.lr_scheduler.LambdaLR, "load_state_dict")]
@@ -175,6 +186,8 @@ def test_journal_wrappers_stay_installed_across_attach_and_close():
     with trainsan.attach(model, opt):
         assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
     assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
+    with trainsan.watch_loads():  # a second holder: the same wrappers
+        assert all(o.__dict__[n] is b for (o, n), b in zip(owners, before))
 
 
 # -- replayed data and diff ---------------------------------------------------------------------

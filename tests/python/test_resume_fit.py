@@ -31,6 +31,16 @@ from torch import nn
 import trainsan
 from _launch import run_script
 
+
+@pytest.fixture(autouse=True)
+def _watched_loads():
+    """These tests judge loads made before an explicit attach: journaled as trainsan.watch_loads()
+    journals them (`import trainsan` installs nothing: Note [Patches]; test_patches.py covers an
+    attach without it)."""
+    with trainsan.watch_loads():
+        yield
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launcher", "resume_fit_script.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .._tables import OPTIONS
+from ..resume import watch_loads
 
 Summary = Union[bool, Callable[[str], Any], None]
 
@@ -147,6 +149,11 @@ class CallbackBase:
         self.summary = check_summary(self.NAME, summary)
         self.sanitizer = None
         self.last_summary: Optional[str] = None
+        # The Trainer restores a checkpoint (resume_from_checkpoint, ckpt_path) before the
+        # callback attaches: the load journal is held while the callback exists (Note [Load
+        # journal]; Note [Patches]), so the attach judges those loads.
+        self._loads = watch_loads()
+        weakref.finalize(self, self._loads.close)
 
     @property
     def findings(self) -> list:
