@@ -356,7 +356,7 @@ def wrap_handle_timers(c: Contender) -> None:
     ``step_end`` is the fused pass + checks, ``forward`` the forward pre-hook's C++ part; the
     gradient hooks run in C++ during backward and show in the step time only.
     """
-    handle = c.san._handle
+    handle = c.san._ctx.handle
     timers = c.timers
 
     class Timed:
@@ -374,7 +374,7 @@ def wrap_handle_timers(c: Contender) -> None:
 
             return call
 
-    c.san._handle = Timed()
+    c.san._ctx.handle = Timed()
 
 
 def memory_floor(c: Contender, steps: int) -> dict:

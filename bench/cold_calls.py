@@ -46,7 +46,7 @@ def main() -> int:
     # TrainSan work does not warm them up.
     probe = torch.nn.Linear(2, 2)
     san = trainsan.attach(probe, torch.optim.SGD(probe.parameters(), lr=0.1), policy="record")
-    handle, hid, x = san._handle, int(san._handle.hot_id()), torch.zeros(1)
+    handle, hid, x = san._ctx.handle, int(san._ctx.handle.hot_id()), torch.zeros(1)
     calls = {
         "torch.classes": lambda: handle.loss_reaches(x),
         "_trainsan_hot": lambda: hot.loss_reaches(hid, x),

@@ -51,7 +51,7 @@ def main() -> int:
             F.cross_entropy(model(x), y).backward()
             opt.step()
         loss = F.cross_entropy(model(x), y)
-        hot = san._hot
+        hot = san._ctx.hot
         via = "_trainsan_hot" if _native.hot_module() is not None else "torch.classes"
         big = torch.randn(16 << 20)
 

@@ -67,7 +67,7 @@ def _wrap_entries() -> None:
 
 def _wrap_detail(san) -> None:
     for name in _native._HOT_EVENTS:
-        setattr(san._hot, name, _timed("  C++ " + name, getattr(san._hot, name)))
+        setattr(san._ctx.hot, name, _timed("  C++ " + name, getattr(san._ctx.hot, name)))
     for event, calls in san._calls.items():
         san._calls[event] = [
             _timed(f"  member {getattr(c, '__qualname__', type(c).__name__)}", c) for c in calls]

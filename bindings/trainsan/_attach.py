@@ -37,7 +37,8 @@ def _unwrap_optimizer(o: Any) -> Any:
 
 def attached(model: torch.nn.Module) -> Optional[Sanitizer]:
     """The open sanitizer attached to `model` (through attach()), or None."""
-    return attached_to(_compile.unwrap_compiled(model))
+    ctx = attached_to(_compile.unwrap_compiled(model))
+    return None if ctx is None else ctx.sanitizer()
 
 
 def attach(
@@ -139,6 +140,6 @@ def attach(
             "(or use `with trainsan.attach(...) as san:`)"
         )
     san = Sanitizer(model, opts, policy, trace, checks, options)
-    _attached[model] = weakref.ref(san)
+    _attached[model] = weakref.ref(san._ctx)  # Note [Context]
     _compile.wrap_compiled_call(model)  # model.compile() before attach (Note [Compiled regions])
     return san

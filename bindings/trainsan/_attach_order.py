@@ -1,19 +1,13 @@
 """Attach order (Note [Attach order]): the notes TrainSan writes when the model's parameters were
-replaced around attach, and the re-binding of a sanitizer to the parameters the model holds now."""
+replaced around attach; the re-binding itself is Sanitizer._rebind."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import warnings
-import weakref
 
 import torch
 
-from . import _compile, _patches
-from ._findings import Finding, TrainingBugWarning, merge_findings
-from ._patches import _attached, attached_to
 
 # Note [Attach order]
 # ~~~~~~~~~~~~~~~~~~~
@@ -63,54 +57,3 @@ def _user_stacklevel() -> int:
     while f is not None and f.f_code.co_filename.startswith((pkg, tdir)):
         f, level = f.f_back, level + 1
     return level
-
-
-def rebind(san, message: str) -> None:
-    """Re-bind the sanitizer `san` to the model's current parameters (Note [Attach order]): what
-    it installed is released quietly and built anew; findings and counts carry over."""
-    registered = attached_to(san._model) is san
-    old, old_hot = san._handle, san._hot
-    counts = dict(old.coverage()[0])
-    san._closed = True
-    _patches.unregister(san)
-    for part in san._parts:
-        try:
-            part.close()
-        except Exception:  # noqa: BLE001 - quiet: what is left is built anew
-            pass
-    try:
-        old.close()  # its reports are not applied; its summary record is overwritten
-    except Exception:  # noqa: BLE001
-        pass
-    san._binding += 1
-    try:
-        san._build()
-    except Exception as exc:  # noqa: BLE001 - never raise into the script under warn/record
-        san._closed = True
-        _patches.unregister(san)
-        for part in san._parts:
-            try:
-                part.close()
-            except Exception:  # noqa: BLE001
-                pass
-        if san._handle is not old:
-            try:
-                san._handle.close()
-            except Exception:  # noqa: BLE001
-                pass
-        san._handle, san._hot = old, old_hot  # what it found stays readable
-        warnings.warn(f"{message}; re-binding to the model's current parameters failed "
-                      f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
-                      TrainingBugWarning, stacklevel=_user_stacklevel())
-        return
-    before = [Finding._from_tuple(t) for t in old.findings()]
-    san._before = merge_findings(san._before, before)
-    for key in _ADDITIVE:
-        if key in counts:
-            san._counts_before[key] = san._counts_before.get(key, 0) + int(counts[key])
-    if registered:
-        _attached[san._model] = weakref.ref(san)
-        _compile.wrap_compiled_call(san._model)
-    extra = {"findings_before": [dataclasses.asdict(f) for f in before]} if before else {}
-    san._note("parameters_replaced",
-               message + _GOES_ON["parameters_replaced"].format(policy=san._policy), **extra)

@@ -242,22 +242,22 @@ def forget_inherited() -> None:
     inherited.pairer.uninstall()
     for p in inherited.pairer.pairings:
         if not p.san.closed:
-            _drop(p.san)
+            _drop(p.san._ctx)  # Note [Context]
     inherited.signals.restore()  # the handlers it replaced (this process installs its own)
 
 
-def _drop(san: Any) -> None:
-    """An inherited sanitizer, out of this process without touching its trace."""
-    san._closed = True
-    _patches.unregister(san)
-    for part in san._parts:
+def _drop(ctx: Any) -> None:
+    """An inherited sanitizer (its Context), out of this process without touching its trace."""
+    ctx.closed = True
+    _patches.unregister(ctx)
+    for part in ctx.parts:
         if isinstance(part, Replicas):
             continue  # its close() talks to the other ranks, on the parent's behalf
         try:
             part.close()
         except Exception:  # noqa: BLE001 - best effort: the child goes on without it
             pass
-    _dropped.append(san)
+    _dropped.append(ctx)
 
 
 def stopped(config: dict, rank: int, kind: str, step: int) -> None:

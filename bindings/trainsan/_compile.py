@@ -80,21 +80,21 @@ def _open_sanitizer_of(module):
 def _compiled_forward(san, module, call, args, kwargs):
     """The attached model's forward through a compiled callable: the forward event eagerly
     before, the label guard off during the call, back on after it."""
-    san._prov.disabled = True  # module hooks armed per step would make dynamo recompile
-    san._rerun.disabled = True
-    san._on_forward(module, args, kwargs)  # eager: may raise (policy "raise")
-    guard = san._label_guard
+    san.prov.disabled = True  # module hooks armed per step would make dynamo recompile
+    san.rerun.disabled = True
+    san.on_forward(module, args, kwargs)  # eager: may raise (policy "raise")
+    guard = san.label_guard
     window = guard is not None and guard._active
     if window:
         guard.pop()
-    san._in_compiled += 1
-    handle = san._handle
+    san.in_compiled += 1
+    handle = san.handle
     handle.pause_audit(True)  # the graph's ops are not audited; its tracing runs autograd nodes
     try:
         out = call(*args, **kwargs)
     finally:
         handle.pause_audit(False)
-        san._in_compiled -= 1
+        san.in_compiled -= 1
     if window:
         guard.push()
     return out
@@ -186,7 +186,7 @@ class _CompilePatch:
             except Exception:  # noqa: BLE001 - an older/newer dynamo: no late guard switch-off
                 self._callback = None
         for san in list(_open_sanitizers):
-            for ref in san._eager_hooks:
+            for ref in san.eager_hooks:
                 h = ref()
                 if h is not None:
                     h.make_eager()
@@ -199,7 +199,7 @@ def _compile_start(*_args) -> None:
     """dynamo starts compiling a frame: if a label guard is pushed now, compiled code runs in its
     window (a function compiled before attach): that guard stays off from now on."""
     for san in list(_open_sanitizers):
-        g = san._label_guard
+        g = san.label_guard
         if g is not None and g._active:
             g.compiled = True
 
@@ -216,8 +216,8 @@ def _torch_compile(orig):
             # A compiled function (a loss, a train step, optimizer.step) may run inside the label
             # window: the label guard stays off.
             for san in list(_open_sanitizers):
-                if san._label_guard is not None:
-                    san._label_guard.compiled = True
+                if san.label_guard is not None:
+                    san.label_guard.compiled = True
         return out
 
     compile.__wrapped__ = orig  # type: ignore[attr-defined]

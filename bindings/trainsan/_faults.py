@@ -42,38 +42,40 @@ def deliberate(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and str(exc).startswith(_DEVICE_STOP))
 
 
-def absorb(san: Any, where: str, exc: Exception) -> bool:
-    """Whether `exc`, raised by TrainSan's code at `where`, is absorbed (the caller then returns
-    as if nothing happened); False: the caller re-raises it."""
-    if san is None or deliberate(exc) or getattr(san, "_policy", "raise") == "raise":
+def absorb(ctx: Any, where: str, exc: Exception) -> bool:
+    """Whether `exc`, raised by TrainSan's code at `where` for the sanitizer of Context `ctx`
+    (Note [Context]), is absorbed (the caller then returns as if nothing happened); False: the
+    caller re-raises it."""
+    if ctx is None or deliberate(exc) or ctx.policy == "raise":
         return False
     try:
-        san._on_fault(where, exc)
+        ctx.on_fault(where, exc)
     except Exception:  # noqa: BLE001 - reporting a fault must not be one
         pass
     return True
 
 
-def guarded_call(san: Any, where: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) for sanitizer `san`, from the loop: nothing once it stopped checking,
-    and an exception absorbed or re-raised by `absorb` (Note [Faults])."""
-    if getattr(san, "_fault", None) is not None:
+def guarded_call(ctx: Any, where: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) for the sanitizer of Context `ctx`, from the loop: nothing once it
+    stopped checking, and an exception absorbed or re-raised by `absorb` (Note [Faults])."""
+    if ctx.fault is not None:
         return None
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
-        if not absorb(san, where, exc):
+        if not absorb(ctx, where, exc):
             raise
         return None
 
 
 def entry(method: Callable) -> Callable:
-    """A sanitizer method the loop calls (a hook, a patch): Note [Faults]."""
+    """A sanitizer method the loop calls (a hook, a patch): Note [Faults]. The method's
+    sanitizer keeps its Context in `_ctx` (Note [Context])."""
     where = method.__name__.lstrip("_")
 
     @functools.wraps(method)
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        return guarded_call(self, where, method, self, *args, **kwargs)
+        return guarded_call(self._ctx, where, method, self, *args, **kwargs)
 
     return call
 

@@ -36,10 +36,10 @@ def report(sanitizers: list, leaves: list, step_counts: Any) -> None:
     try:
         key = (len(leaves), id(leaves[0]), id(leaves[-1]))
         for san in sanitizers:
-            if san._closed:
+            if san.closed:
                 continue
-            handle = san._handle
-            steps = sum(step_counts.get(o, 0) for o in san._optimizers)
+            handle = san.handle
+            steps = sum(step_counts.get(o, 0) for o in san.optimizers)
             suspected = handle.foreign_suspected()
             told = _told.get(san)
             if told is not None and told[:2] == (key, steps) and told[2] >= suspected:
@@ -49,7 +49,7 @@ def report(sanitizers: list, leaves: list, step_counts: Any) -> None:
                 done = _named.get(san)
                 if done is None or done[0] != key:
                     try:
-                        done = (key, holder(leaves, type(san._model)))
+                        done = (key, holder(leaves, type(san.model)))
                     except Exception:  # noqa: BLE001 - the facts without a name
                         done = (key, {})
                     _named[san] = done

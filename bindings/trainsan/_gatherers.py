@@ -24,8 +24,7 @@ from .recompute import RecomputeWatch
 # removed, each process-wide patch released) before the C++ side writes the summary. The order matters where two members act at the same
 # event: the label guard's window and the autograd checks' windows end before the parameters are
 # checked at the first step, the replicas compare the starting weights before the re-runs, the
-# resume facts and the overflow flags are read (Sanitizer.__init__ builds the list in that
-# order). The adapters below fit the gatherers written before the protocol; a new gatherer can
+# resume facts and the overflow flags are read (the order of PARTS, Note [Parts] in _parts.py). The adapters below fit the gatherers written before the protocol; a new gatherer can
 # subclass Gatherer itself.
 
 

@@ -61,23 +61,26 @@ DUE_STEP, DUE_INPLACE, DUE_RERUN, DUE_RECOMPUTE, DUE_HEADROOM, DUE_PROVENANCE = 
 
 
 class _Hook:
-    """A module/optimizer hook that calls `method` of a sanitizer held weakly (Note [Sanitizer
-    lifetime]), with `args` before the hook's own arguments. A no-op once the sanitizer is gone.
-    Traced by dynamo (Note [Compiled regions] in _compile.py): activation hooks vanish, the root
-    pre-hook returns where a compiled call's entry reports the forward, and otherwise the root
-    pre-hook and the step hooks call `_eager`, a torch._dynamo.disable()d copy (one break). Run
-    eagerly they call `_eager` too while dynamo's frame callback is set (a frame it fell back on,
-    whose new frames it would trace), and the sanitizer directly otherwise."""
+    """A module/optimizer hook that calls `method`, a sanitizer's bound method held weakly (Note
+    [Sanitizer lifetime]), with `args` before the hook's own arguments; `ctx` is that sanitizer's
+    Context (Note [Context]). A no-op once the sanitizer is gone. Traced by dynamo (Note [Compiled
+    regions] in _compile.py): activation hooks vanish, the root pre-hook returns where a compiled
+    call's entry reports the forward, and otherwise the root pre-hook and the step hooks call
+    `_eager`, a torch._dynamo.disable()d copy (one break). Run eagerly they call `_eager` too
+    while dynamo's frame callback is set (a frame it fell back on, whose new frames it would
+    trace), and the sanitizer directly otherwise."""
 
-    __slots__ = ("_ref", "_method", "_args", "_eager", "__weakref__")
+    __slots__ = ("_ctx", "_ref", "_root", "_args", "_eager", "__weakref__")
 
-    def __init__(self, san, method: str, *args: Any):
-        self._ref = weakref.ref(san)
-        self._method = method
+    def __init__(self, ctx, method: Any, *args: Any):
+        self._ctx = weakref.ref(ctx)
+        self._ref = weakref.WeakMethod(method)
+        name = method.__name__
+        self._root = name == "_on_forward"
         self._args = args
         self._eager = None
-        if method in _EAGER_METHODS:
-            san._eager_hooks.append(weakref.ref(self))
+        if name in _EAGER_METHODS:
+            ctx.eager_hooks.append(weakref.ref(self))
             if _compile.dynamo() is not None:
                 self.make_eager()
 
@@ -86,19 +89,19 @@ class _Hook:
             self._eager = _compile.dynamo().disable(self._run)
 
     def _run(self, *args: Any) -> Any:
-        san = self._ref()
-        if san is None:
+        m = self._ref()
+        if m is None:
             return None
-        return getattr(san, self._method)(*self._args, *args)
+        return m(*self._args, *args)
 
     def __call__(self, *args: Any) -> Any:
         eager = self._eager
         if _compile.is_compiling():
             if eager is None:
                 return None  # activation hooks: traced away
-            if self._method == "_on_forward":
-                san = self._ref()
-                if san is None or san._in_compiled:
+            if self._root:
+                ctx = self._ctx()
+                if ctx is None or ctx.in_compiled:
                     return None  # a compiled module's entry reports this forward
             return eager(*args)  # no entry of ours: leave the graph here (one break)
         if eager is not None and _eval_frame_callback() is not None:
@@ -118,7 +121,7 @@ def _weak_method(bound) -> Any:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         m = ref()
-        return None if m is None else guarded_call(m.__self__, where, m, *args, **kwargs)
+        return None if m is None else guarded_call(m.__self__._ctx, where, m, *args, **kwargs)
 
     return call
 
@@ -171,10 +174,11 @@ def _scaler_found_inf(opt) -> bool:
 
 
 class _StepClosure:
-    """The closure handed to the optimizer (Note [Closure steps])."""
+    """The closure handed to the optimizer (Note [Closure steps]); `ctx`: the sanitizer's
+    Context (Note [Context])."""
 
-    def __init__(self, san, k: int, closure):
-        self._ref = weakref.ref(san)
+    def __init__(self, ctx, k: int, closure):
+        self._ref = weakref.ref(ctx)
         self._k = k
         self._closure = closure
         self._begun = False
@@ -185,7 +189,7 @@ class _StepClosure:
         out = self._closure(*args, **kwargs)
         if not self._begun:
             self._begun = True
-            san = self._ref()
-            if san is not None:
-                san._begin_step(self._k)
+            ctx = self._ref()
+            if ctx is not None:
+                ctx.begin_step(self._k)
         return out

@@ -82,7 +82,7 @@ class _Pairing:
     def ids(self) -> set:
         """ids of the model's parameters; read anew after the sanitizer re-bound to replaced
         parameters (Note [Attach order])."""
-        bound = getattr(self.san, "_binding", 0)
+        bound = self.san._ctx.binding  # Note [Context]
         if bound != self._bound:
             self._ids, self._bound = {id(p) for p in self.model.parameters()}, bound
         return self._ids
@@ -377,7 +377,7 @@ class Pairer:
         for p in self._active():
             # the model's parameters, and the tensors its sanitizer watches beside them (Note
             # [Tensors outside the model] in _facts.py)
-            covered |= p.ids | getattr(p.san, "_param_ids", set())
+            covered |= p.ids | p.san._ctx.param_ids  # Note [Context]
         for opt, n in sorted(list(self._order.items()), key=lambda t: t[1]):
             held = _held(opt)
             if opt in self._orphans or opt in self._retired:

@@ -18,20 +18,21 @@ from ._findings import TrainingBugError
 from ._registry import Patch
 
 
-# The open sanitizers, held weakly (Note [Sanitizer lifetime] in _hooks.py).
-_open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Sanitizer
+# The open sanitizers' Contexts (Note [Context]), held weakly (Note [Sanitizer lifetime] in
+# _hooks.py).
+_open_sanitizers: "weakref.WeakSet" = weakref.WeakSet()  # of Context
 # The same as a tuple of weak references, rebuilt at each register/unregister: the per-step
 # events read it (iterating a WeakSet costs tens of microseconds in a training step).
 _open_refs: tuple = ()
 
 
 def open_sanitizers() -> list:
-    """The open sanitizers (not closed, not collected)."""
+    """The Contexts of the open sanitizers (not closed, not collected)."""
     out = []
     for ref in _open_refs:
-        san = ref()
-        if san is not None and not san._closed:
-            out.append(san)
+        ctx = ref()
+        if ctx is not None and not ctx.closed:
+            out.append(ctx)
     return out
 
 
@@ -39,39 +40,41 @@ def _rebuild_open() -> None:
     global _open_refs
     _open_refs = tuple(weakref.ref(s) for s in list(_open_sanitizers))
 
-# optimizer -> the sanitizers watching it (its GradScaler steps)
+# optimizer -> the Contexts of the sanitizers watching it (its GradScaler steps)
 _watchers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = (
     weakref.WeakKeyDictionary())
-# model -> weakref to the sanitizer attach() attached to it
+# model -> weakref to the Context of the sanitizer attach() attached to it
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def register(san) -> None:
-    """An open sanitizer: the patches' events (and its optimizers' GradScaler steps) reach it."""
-    for opt in san._optimizers:
-        _watchers.setdefault(opt, weakref.WeakSet()).add(san)
-    _open_sanitizers.add(san)
+def register(ctx) -> None:
+    """An open sanitizer (its Context): the patches' events (and its optimizers' GradScaler
+    steps) reach it."""
+    for opt in ctx.optimizers:
+        _watchers.setdefault(opt, weakref.WeakSet()).add(ctx)
+    _open_sanitizers.add(ctx)
     _rebuild_open()
 
 
-def unregister(san) -> None:
+def unregister(ctx) -> None:
     """A closed sanitizer: out of every registry (attach() may attach its model again)."""
-    for opt in san._optimizers:
+    for opt in ctx.optimizers:
         ws = _watchers.get(opt, [])
-        if san in ws:
-            ws.remove(san)
-    _open_sanitizers.discard(san)
+        if ctx in ws:
+            ws.remove(ctx)
+    _open_sanitizers.discard(ctx)
     _rebuild_open()
-    ref = _attached.get(san._model)
-    if ref is not None and ref() in (san, None):
-        del _attached[san._model]
+    ref = _attached.get(ctx.model)
+    if ref is not None and ref() in (ctx, None):
+        del _attached[ctx.model]
 
 
 def attached_to(model: torch.nn.Module) -> Optional[Any]:
-    """The open sanitizer attach() attached to `model` (the module itself), or None."""
+    """The Context of the open sanitizer attach() attached to `model` (the module itself), or
+    None."""
     ref = _attached.get(model)
-    san = ref() if ref is not None else None
-    return None if san is None or san.closed else san
+    ctx = ref() if ref is not None else None
+    return None if ctx is None or ctx.closed or ctx.sanitizer() is None else ctx
 
 
 # GradScaler.step is wrapped while any sanitizer is open, to tell an AMP skip (the scaler found
@@ -133,8 +136,8 @@ def _scaler_step() -> list:
         if watchers and self.is_enabled():
             skipped = _step_counts.get(optimizer, 0) == before
             scale = _scale_of(self, skipped)
-            for san in list(watchers):
-                san._scaler_step(optimizer, skipped, scale)
+            for ctx in list(watchers):
+                ctx.scaler_step(optimizer, skipped, scale)
         return out
 
     step.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -249,15 +252,15 @@ def _zero_grad() -> list:
     orig_opt, orig_mod = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
 
     def opt_zero_grad(self, *args, **kwargs):
-        for san in list(_watchers.get(self, ())):
-            san._gradients_cleared(self)
+        for ctx in list(_watchers.get(self, ())):
+            ctx.gradients_cleared(self)
         return orig_opt(self, *args, **kwargs)
 
     def mod_zero_grad(self, *args, **kwargs):
         ref = _attached.get(self)
-        san = ref() if ref is not None else None
-        if san is not None and not san.closed:
-            san._gradients_cleared(None)
+        ctx = ref() if ref is not None else None
+        if ctx is not None and not ctx.closed:
+            ctx.gradients_cleared(None)
         return orig_mod(self, *args, **kwargs)
 
     opt_zero_grad.__wrapped__ = orig_opt  # type: ignore[attr-defined]
@@ -307,25 +310,25 @@ _WALK_LIMIT = 20000
 
 def _loss_owners(root: torch.Tensor) -> list:
     opened = open_sanitizers()
-    cands = [s for s in opened if s._last_train_forward >= 0]
+    cands = [s for s in opened if s.last_train_forward >= 0]
     # Note [Foreign backwards] (host/checks/gradient_flow.cpp): the walk also looks for the models
     # of the sanitizers with an optimizer whose model ran no training forward yet (a loss wrapper
     # holding an older copy of it may be all that runs), and a root it walks to its end without
     # reaching some sanitizer's parameters is reported to it with the leaves it did reach.
-    targets = cands + [s for s in opened if s._last_train_forward < 0 and s._optimizers]
+    targets = cands + [s for s in opened if s.last_train_forward < 0 and s.optimizers]
     if not targets:
         return []
-    if len(targets) == 1 and cands and not cands[0]._fsdp_ids:
+    if len(targets) == 1 and cands and not cands[0].fsdp_ids:
         # One sanitizer to attribute to, holding its own parameters: the walk in C++ (the same
         # walk, without a Python object per node); a root that does not reach them is walked
         # again below, for the foreign-backward facts.
         try:
-            if cands[0]._hot.loss_reaches(root) == 1:
+            if cands[0].hot.loss_reaches(root) == 1:
                 return cands
         except Exception:  # noqa: BLE001 - the Python walk below decides
             pass
     found: dict = {}
-    leaves = {s: s._grad_leaf_ids() for s in targets}  # looked up once a walk, not once a node
+    leaves = {s: s.grad_leaf_ids() for s in targets}  # looked up once a walk, not once a node
     reached: list = []  # the requires-grad leaves reached (none of them a missed target's)
     seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
     while stack and budget > 0 and len(found) < len(targets):
@@ -338,11 +341,11 @@ def _loss_owners(root: torch.Tensor) -> list:
         if isinstance(var, torch.Tensor):
             reached.append(var)
             for s in targets:
-                if id(var) in s._param_ids or id(var) in leaves[s]:
+                if id(var) in s.param_ids or id(var) in leaves[s]:
                     found.setdefault(s, True)
         stack.extend(fn for fn, _ in node.next_functions)
     if not stack and reached:  # walked to its end
-        missed = [s for s in targets if s not in found and s._optimizers]
+        missed = [s for s in targets if s not in found and s.optimizers]
         if missed:
             _foreign.report(missed, reached, _step_counts)
     owners = [s for s in found if s in cands]
@@ -350,7 +353,7 @@ def _loss_owners(root: torch.Tensor) -> list:
         # Walked out of budget: with one candidate, it (as before); a graph walked to its end that
         # reaches none of the attached parameters is another model's loss (a probe, a copy).
         return cands if budget <= 0 and len(cands) == 1 else []
-    return [min(owners, key=lambda s: s._last_train_forward)]
+    return [min(owners, key=lambda s: s.last_train_forward)]
 
 
 def _watch_roots(tensors: Any) -> None:
@@ -361,8 +364,8 @@ def _watch_roots(tensors: Any) -> None:
     loss = getattr(tensors, "_trainsan_unscaled", tensors)
     if not isinstance(loss, torch.Tensor):
         loss = tensors
-    for san in _loss_owners(tensors):
-        san._auto_loss(loss)
+    for ctx in _loss_owners(tensors):
+        ctx.auto_loss(loss)
 
 
 def _graphless(tensors: Any) -> bool:
@@ -381,9 +384,9 @@ def backward_seen(tensors: Any, sanitizers: Optional[list] = None) -> None:
     a finding (policy raise)."""
     try:
         if _graphless(tensors):
-            for san in sanitizers if sanitizers is not None else open_sanitizers():
-                if not san._closed:
-                    san._backward_without_graph()
+            for ctx in sanitizers if sanitizers is not None else open_sanitizers():
+                if not ctx.closed:
+                    ctx.backward_without_graph()
         else:
             _watch_roots(tensors)
     except TrainingBugError:
@@ -434,9 +437,9 @@ def _save() -> list:
     orig = torch.save
 
     def save(obj, f, *args, **kwargs):
-        for san in open_sanitizers():
+        for ctx in open_sanitizers():
             try:
-                san._check_save(obj, f)
+                ctx.check_save(obj, f)
             except TrainingBugError:
                 raise
             except Exception as exc:  # noqa: BLE001 - never fail the user's save over this

@@ -116,7 +116,7 @@ class Attribution(Gatherer):
         san = self._ref()
         if not train or self._running or san is None:
             return
-        step = int(san._handle.step())
+        step = int(san.handle.step())
         prev = self._steps.get(step)
         bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
         rec = _Forward(args, kwargs, _rng(), bufs, _autocast(), prev.forwards + 1 if prev else 1)
@@ -150,9 +150,9 @@ class Attribution(Gatherer):
 
     def attribute(self, reports: list) -> list:
         san = self._ref()
-        if san is None or san._closed or self._running:
+        if san is None or san.closed or self._running:
             return reports
-        handle = san._handle
+        handle = san.handle
         out = []
         for t, action in reports:
             try:
@@ -208,8 +208,8 @@ class Attribution(Gatherer):
                 if b is not None and key in rec.buffers:
                     swapped.append((m, n, b))
                     m._buffers[n] = rec.buffers[key].clone()
-        closed, san._closed = san._closed, True  # the sanitizer's hooks look away
-        san._handle.pause_audit(True)
+        closed, san.closed = san.closed, True  # the sanitizer's hooks look away
+        san.handle.pause_audit(True)
         self._running = True
         try:
             _set_rng(rec.rng)
@@ -239,8 +239,8 @@ class Attribution(Gatherer):
             for m, n, b in swapped:
                 m._buffers[n] = b
             _set_rng(now_rng)
-            san._handle.pause_audit(False)
-            san._closed = closed
+            san.handle.pause_audit(False)
+            san.closed = closed
         return o
 
 
@@ -256,7 +256,7 @@ def attributed(san, reports: list) -> list:
     before the policy acts."""
     if not reports:
         return reports
-    for part in san._parts:
+    for part in san.parts:
         if isinstance(part, Attribution):
             return part.attribute(reports)
     return reports

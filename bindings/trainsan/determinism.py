@@ -71,7 +71,7 @@ class Rerun:
         if self._forwards > 1:  # accumulation: the step's gradients are not one backward's
             self._rec = None
             return
-        if san is None or self.disabled or not san._due_flag(DUE_RERUN) or _distributed():
+        if san is None or self.disabled or not san.due(DUE_RERUN) or _distributed():
             return
         bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
         rec = _Recorded(args, kwargs, _rng(), bufs)
@@ -95,13 +95,13 @@ class Rerun:
         forwards, self._forwards = self._forwards, 0
         self._clear()
         san = self._ref()
-        if rec is None or san is None or san._closed or forwards != 1 or not rec.cotangents:
+        if rec is None or san is None or san.closed or forwards != 1 or not rec.cotangents:
             return
         a = self._run(rec)
         b = self._run(rec)
         facts = _compare(rec, a, b)
         if facts is not None:
-            san._apply(san._handle.rerun_result(_native.fields(facts)))
+            san.apply(san.handle.rerun_result(_native.fields(facts)))
 
     def _run(self, rec: _Recorded) -> tuple:
         model = self._model

@@ -120,12 +120,12 @@ class Provenance:
         san = self._san_ref()
         if san is None or self.disabled:
             return
-        self._step = san._due_flag(DUE_STEP)
+        self._step = san.due(DUE_STEP)
         # Once per step number (a skipped step repeats it).
-        self._headroom = san._due_flag(DUE_HEADROOM) and self._step != self._headroom_step
+        self._headroom = san.due(DUE_HEADROOM) and self._step != self._headroom_step
         if self._headroom:
             self._headroom_step = self._step
-        if not (self._headroom or san._due_flag(DUE_PROVENANCE)):
+        if not (self._headroom or san.due(DUE_PROVENANCE)):
             return
         self._forward = _Pass()
         self._backward = _Pass()
@@ -199,12 +199,12 @@ class Provenance:
 
     def _write_ranges(self, ranges: list) -> None:
         san = self._san_ref()
-        if san is None or san._closed:
+        if san is None or san.closed:
             return
         try:
             rows = range_rows([t for _, _, t in ranges])
             for (name, dtype, _), row in zip(ranges, rows):
-                san._handle.trace_record(json.dumps(
+                san.handle.trace_record(json.dumps(
                     range_record(self._step, "output", name or "(model)", dtype, row),
                     separators=(",", ":")))
         except Exception as exc:  # noqa: BLE001 - never crash the job TrainSan watches
@@ -275,8 +275,8 @@ class Provenance:
                         if len(ranges) >= _MAX_RANGE:
                             break
         san = self._san_ref()
-        if san is not None and not san._closed:
-            san._apply(san._handle.provenance(_native.facts(
+        if san is not None and not san.closed:
+            san.apply(san.handle.provenance(_native.facts(
                 "Provenance", forward_checked=0 if backward else len(p.meta),
                 backward_checked=len(p.meta) if backward else 0,
                 forward=None if backward else origin, backward=origin if backward else None,

@@ -246,7 +246,7 @@ class RecomputeWatch:
         if self._sampling:
             return
         san = self._ref()
-        if san is None or san._closed or not _patch.held() or not san._due_flag(DUE_RECOMPUTE):
+        if san is None or san.closed or not _patch.held() or not san.due(DUE_RECOMPUTE):
             return
         self._sampling = True
         _sampling[0] += 1
@@ -270,7 +270,7 @@ class RecomputeWatch:
                 mine.append(r)
         taken = {id(r) for r in mine}
         _regions[:] = [r for r in _regions if id(r) not in taken]
-        if san is None or san._closed:
+        if san is None or san.closed:
             return
         done = [r for r in mine if not r.failed and len(r.records) == 2]
         if not done:
@@ -286,7 +286,7 @@ class RecomputeWatch:
             if facts is not None:
                 reports.append(_native.fields(facts))
         for facts in reports:
-            san._apply(san._handle.rerun_result(facts))
+            san.apply(san.handle.rerun_result(facts))
 
     def close(self) -> None:
         self._stop()

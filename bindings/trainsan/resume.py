@@ -114,11 +114,11 @@ def _related(module: torch.nn.Module, model: torch.nn.Module) -> bool:
 
 def _owners(module: torch.nn.Module) -> list:
     """Open sanitizers whose model is `module`, inside it, or holds it."""
-    return [san for san in _watching() if _related(module, san._model)]
+    return [san for san in _watching() if _related(module, san.model)]
 
 
 def _watching() -> list:
-    return [san for san in open_sanitizers() if getattr(san, "_resume", None) is not None]
+    return [ctx for ctx in open_sanitizers() if ctx.resume is not None]
 
 
 def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
@@ -286,7 +286,7 @@ def _model_load(module, state_dict, strict: bool, result) -> _Load:
 
 def _deliver(e: _Load, san, replay: bool) -> None:
     """Hand one journaled load to a sanitizer's ResumeWatch (live, or replayed at attach)."""
-    w = san._resume
+    w = san.resume
     target = e.ref() if e.ref is not None else None
     if e.kind == "model":
         if target is not None:
@@ -305,11 +305,11 @@ def _concerns(e: _Load, san) -> bool:
     their schedulers."""
     if e.kind == "model":
         module = e.ref() if e.ref is not None else None
-        return module is not None and _related(module, san._model)
+        return module is not None and _related(module, san.model)
     if e.kind in ("optimizer", "scheduler"):
         ref = e.ref if e.kind == "optimizer" else e.opt
         opt = ref() if ref is not None else None
-        return opt is not None and any(o is opt for o in san._optimizers)
+        return opt is not None and any(o is opt for o in san.optimizers)
     return False
 
 
@@ -549,13 +549,13 @@ class ResumeWatch:
 
     def _san(self):
         san = self._ref()
-        return None if san is None or san._closed else san
+        return None if san is None or san.closed else san
 
     def _index(self, opt) -> Optional[int]:
         san = self._san()
         if san is None:
             return None
-        for k, o in enumerate(san._optimizers):
+        for k, o in enumerate(san.optimizers):
             if o is opt:
                 return k
         return None
@@ -564,14 +564,14 @@ class ResumeWatch:
         """A resume event: trainsan::ResumeFacts by field name (resume_facts.def)."""
         san = self._san()
         if san is not None:
-            san._apply(san._handle.resume(_native.facts("ResumeFacts", **facts)))
+            san.apply(san.handle.resume(_native.facts("ResumeFacts", **facts)))
 
     def model_loaded(self, module, e: "_Load", replay: bool = False) -> None:
         """A load of the model (Note [Load journal]: live, or replayed at attach)."""
         san = self._san()
         if san is None:
             return
-        self._pending = {k: e for k in range(len(san._optimizers))}
+        self._pending = {k: e for k in range(len(san.optimizers))}
         self._data = e.info
         if e.strict:
             if not replay:
@@ -579,11 +579,11 @@ class ResumeWatch:
             return
         missing, unexpected = list(e.missing), list(e.unexpected)
         prefix, matched = _prefix(missing, unexpected)
-        optimized = {id(p) for o in san._optimizers for g in o.param_groups for p in g["params"]}
+        optimized = {id(p) for o in san.optimizers for g in o.param_groups for p in g["params"]}
         params = dict(module.named_parameters())
         frozen = [k for k in missing if k in params and not params[k].requires_grad]
         unopt = [k for k in missing if k in params and params[k].requires_grad
-                 and san._optimizers and id(params[k]) not in optimized]
+                 and san.optimizers and id(params[k]) not in optimized]
         lay, left = e.layout or {}, set(frozen) | set(unopt)
         moved = [k for k, m in enumerate(lay.get("missing", ())) if m not in left]
         if replay and not (prefix or frozen or unopt or (moved and lay.get("unexpected"))):
@@ -614,7 +614,7 @@ class ResumeWatch:
             return
         self._restored.add(k)
         san = self._san()
-        names = {id(p): n for n, p in san._model.named_parameters()}
+        names = {id(p): n for n, p in san.model.named_parameters()}
         bad = state_mismatches(opt, names)
         if bad:
             self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
@@ -632,7 +632,7 @@ class ResumeWatch:
         san = self._san()
         if san is None:
             return
-        for k, opt in enumerate(san._optimizers):
+        for k, opt in enumerate(san.optimizers):
             if k in self._pending or k in self._restored or not _stateful(opt) or opt.state or not any(
                     "initial_lr" in g for g in opt.param_groups):
                 continue  # state, or no scheduler was ever built over it (it sets initial_lr)
@@ -645,7 +645,7 @@ class ResumeWatch:
         at_attach = self._at_attach.pop(k, 0)
         if at_attach and k not in self._restored:
             san = self._san()
-            opt = san._optimizers[k] if san is not None else None
+            opt = san.optimizers[k] if san is not None else None
             if opt is not None and not opt.state:
                 self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, stateful=True,
                            optimizer_with_state=0, scheduler_epoch_at_attach=at_attach)
@@ -656,11 +656,11 @@ class ResumeWatch:
         san = self._san()
         if san is None:
             return
-        opt = san._optimizers[k]
+        opt = san.optimizers[k]
         facts = {}
         if k in self._moments_due:
             self._moments_due.discard(k)
-            names = {id(p): n for n, p in san._model.named_parameters()}
+            names = {id(p): n for n, p in san.model.named_parameters()}
             facts["moments"] = _resume_fit.moment_scales(opt, names)
         if info is None:
             if facts.get("moments"):

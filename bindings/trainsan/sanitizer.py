@@ -10,6 +10,7 @@ the sanitizer holds are members of one list (Note [Gatherers] in _gatherers.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,25 +26,22 @@ from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _gro
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
                      outside_model)
-from ._attach_order import _GOES_ON, _user_stacklevel, rebind
+from ._attach_order import _ADDITIVE, _GOES_ON, _user_stacklevel
+from ._context import Context
 from ._faults import absorb, entry, fault_text, warn_fault
 from ._findings import (Finding, TrainingBugError, TrainingBugWarning, merge_findings,
                         summary_text)
-from ._gatherers import (CustomGrads, Held, Hooks, LabelWindow, ParamsLive, Provenances, Replicas,
-                         Reruns, Resumes, RootlessForwards, SavedTensors, event_calls)
+from ._gatherers import event_calls
 from ._native import HotEvents
-from ._hooks import _getstate_patch, _Hook, _scaler_found_inf, _StepClosure, _weak_method
-from ._patches import (_data_restarts, _forward_clock, _loader_patch, _loss_patch, _save_patch,
-                       _scaler_patch, _step_counts, _zero_grad_patch, take_loader_facts)
-from ._tables import ACTIONS, KINDS, OPTIONS, Options, enabled, option_strings
-from .audit import LabelGuard
-from .autograd_checks import CustomGradCheck, SavedTensorCheck
+from ._hooks import _scaler_found_inf, _StepClosure
+from ._parts import Setup, build as build_parts
+from ._patches import (_attached, _data_restarts, _forward_clock, _step_counts, attached_to,
+                       take_loader_facts)
+from ._tables import ACTIONS, KINDS, OPTIONS, Options, option_strings
 from .checkpoint import gather, holds_model
-from .determinism import Rerun
-from .precision import Provenance, write_headroom
-from .attribution import attributed, attribution
-from .replicas import ReplicaComparison, active as replicas_active
-from .resume import ResumeWatch, journal, replay_loads, watching_before
+from .precision import write_headroom
+from .attribution import attributed
+from .resume import replay_loads, watching_before
 from .stats import TensorStats, _unpack
 
 __all__ = [
@@ -70,17 +68,21 @@ class Sanitizer:
         checks: dict,
         options: dict,
     ):
-        self._model = model
-        self._optimizers = list(optimizers)
-        self._policy = policy
+        # Note [Context]: what the parts, patches and registries may read and call.
+        self._ctx = Context(self, model, list(optimizers), policy)
+        self._ctx.bind(
+            apply=self._apply, due=self._due_flag, add_py=self._add_py, note=self._note,
+            on_fault=self._on_fault, on_forward=self._on_forward, begin_step=self._begin_step,
+            scaler_step=self._scaler_step, gradients_cleared=self._gradients_cleared,
+            auto_loss=self._auto_loss, backward_without_graph=self._backward_without_graph,
+            check_save=self._check_save, grad_leaf_ids=self._grad_leaf_ids,
+            rebuild=self._build)
         self._trace_path = trace
         self._checks = checks
         self._options = options
-        self._closed = False
-        self._parts: list = []
         self._calls = event_calls([])
         # Note [Attach order]: what a re-binding keeps.
-        self._binding = 0  # re-bindings so far
+        self._ctx.binding = 0  # re-bindings so far (Note [Attach order])
         self._notes: list = []  # the trace's note records, also in summary() and coverage()
         self._before: list = []  # the findings of the parameters watched before re-binding
         self._counts_before: dict = {}  # their coverage counts
@@ -90,37 +92,37 @@ class Sanitizer:
         """Install everything for the model and optimizers as they are now (attach, and a
         re-binding: Note [Attach order])."""
         model, policy, trace, checks, options = (
-            self._model, self._policy, self._trace_path, self._checks, self._options)
-        self._closed = False
+            self._ctx.model, self._ctx.policy, self._trace_path, self._checks, self._options)
+        self._ctx.closed = False
         # Note [Gatherers]: what close() releases, in the order the events call it. An __init__
         # that raises is still close()d (by __del__): only what was installed is in the list.
-        self._parts = []
+        self._ctx.parts = []
         self._calls = event_calls([])
         self._tracing = bool(trace)  # a trace is written: step fingerprints of the targets
         self._due: Optional[tuple] = None  # the handle's due() during a training forward's members
-        self._in_compiled = 0  # inside a compiled call of the model (Note [Compiled regions])
-        self._eager_hooks: list = []  # weakrefs to the _Hooks with a disable()d copy
-        self._last_train_forward = -1  # _forward_clock at this model's latest training forward
+        self._ctx.in_compiled = 0
+        self._ctx.eager_hooks = []
+        self._ctx.last_train_forward = -1
         # A loss of this model went into a backward since the last optimizer step or clear: a
         # zero_grad then may discard gradients no step used (Note [Discarded gradients]).
         self._unstepped_backward = False
         self._watched: dict = {}  # id(loss) -> weakref: the losses watched since the last step
         self._headroom_at: dict = {}  # optimizer -> step whose range counts are due at its end
         self._py_overhead = 0.0
-        self._fault: Optional[str] = None  # Note [Faults] (_faults.py): why it stopped checking
-        names, params, opt_index, group_index, outside = _param_table(model, self._optimizers)
+        self._ctx.fault = None  # Note [Faults] (_faults.py): why it stopped checking
+        names, params, opt_index, group_index, outside = _param_table(model, self._ctx.optimizers)
         if not params:
             raise ValueError(
                 "trainsan.attach: the model has no parameters and no optimizer trains any "
                 "tensor; attach to the module you train, with its optimizer"
             )
         opts = option_strings(options, policy, trace, checks)
-        holding_none = _optimizers_holding_none(self._optimizers, params)
+        holding_none = _optimizers_holding_none(self._ctx.optimizers, params)
         if holding_none and policy == "raise":
             raise ValueError(holding_none[0])
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
-        self._fsdp_ids = fsdp_ids
+        self._ctx.fsdp_ids = fsdp_ids
         self._unsharded_ids: Optional[set] = None
         external = [int(id(p) in fsdp_ids) for p in params]
         locals_ = [_local(p) for p in params]
@@ -129,7 +131,7 @@ class Sanitizer:
             index.setdefault(id(p), k)
         modes = _mode_modules(model, index)
         self._sensitive = [m for _, m, _, _ in modes]
-        self._handle = torch.classes.trainsan.Sanitizer(
+        self._ctx.handle = torch.classes.trainsan.Sanitizer(
             names,
             params,
             opt_index,
@@ -138,7 +140,7 @@ class Sanitizer:
             [n for n, _, _, _ in modes],
             [type(m).__name__ for _, m, _, _ in modes],
             _skip_frames(),
-            not self._optimizers,
+            not self._ctx.optimizers,
             group_index,
             [len(own) for _, _, own, _ in modes],
             [i for _, _, own, _ in modes for i in own],
@@ -146,11 +148,11 @@ class Sanitizer:
             locals_,
             external,
         )
-        handle = self._handle
+        handle = self._ctx.handle
         trace_error = handle.take_trace_error()  # Note [Bounded trace]: told at attach
         if trace_error:
             warnings.warn(trace_error, UserWarning, stacklevel=3)
-        self._hot = HotEvents(handle)  # its per-step events (Note [Hot path])
+        self._ctx.hot = HotEvents(handle)  # its per-step events (Note [Hot path])
         # Note [Attach order]: the notes so far go into a restarted trace too; an optimizer that
         # holds none of the model's parameters is one under "warn" and "record".
         for rec in self._notes:
@@ -164,106 +166,33 @@ class Sanitizer:
                        f"trainsan.attach: the optimizer trains {len(outside)} tensor(s) the "
                        f"attached {type(model).__name__} does not hold ({shown}): watched as "
                        "its parameters, under these names")
-        hooks = Hooks()
-        self._parts.append(hooks)
-        for k, p in enumerate(params):
-            if external[k]:
-                hooks.add(p.register_post_accumulate_grad_hook(
-                    lambda _p, k=k, h=handle: h.grad_accumulated(k)))
         self._dt_params = [params[k] for k in self._dt_index]
-        # Policy "raise": class-index targets are checked before the loss runs
-        # (trainsan/audit.py) — targets on a CPU always (a host read, no sync), device targets
-        # with sync=True; otherwise the C++ op audit reports at the next event.
-        sync = options.get("sync", OPTIONS["sync"])
-        LabelGuard.end_all_windows()
-        self._label_guard = (
-            LabelGuard(_weak_method(self._check_target), host_only=not sync)
-            if policy == "raise"
-            and any(enabled(k, checks)
-                    for k in ("label_range", "label_dtype", "batch_mismatch"))
-            else None
-        )
-        if self._label_guard is not None:
-            self._parts.append(LabelWindow(self._label_guard, handle))
-        self._parts.append(Held(_getstate_patch))
-        hooks.add(model.register_forward_pre_hook(_Hook(self, "_on_forward"), with_kwargs=True))
-        for k, opt in enumerate(self._optimizers):
-            hooks.add(opt.register_step_pre_hook(_Hook(self, "_pre_step", k)))
-            hooks.add(opt.register_step_post_hook(_Hook(self, "_post_step", k)))
-        if enabled("nonfinite_activation", checks):
-            for n, m in model.named_modules():
-                if not list(m.children()):
-                    hooks.add(m.register_forward_hook(_Hook(self, "_activation", n)))
-        self._parts.append(Held(_scaler_patch))
-        self._parts.append(Held(_loader_patch))
-        self._parts.append(Held(_zero_grad_patch))
-        # Autograd integrity (autograd_checks.py): saved-tensor hooks on sampled steps, and the
-        # custom-Function gradcheck (each Function at its first use, then every gradcheck_every).
-        if enabled("inplace_before_backward", checks):
-            self._parts.append(SavedTensors(SavedTensorCheck(
-                handle,
-                {id(p): n for n, p in zip(names, params)},
-                {id(b) for b in model.buffers()},
-                _weak_method(self._apply),
-                _weak_method(self._add_py),
-            ), _weak_method(self._due_flag)))
-        if enabled("bad_custom_grad", checks):
-            # Under several processes only when gradcheck_every was asked for (CustomGradCheck).
-            self._parts.append(CustomGrads(CustomGradCheck(
-                handle, _weak_method(self._apply), _weak_method(self._add_py),
-                distributed="gradcheck_every" in options), handle))
-        self._param_ids = {id(p) for p in params}
+        self._ctx.param_ids = {id(p) for p in params}
         self._tracked = list(zip(names, params))
         self._opt_index = list(opt_index)
-        # At the first step; the tensors watched from outside the model are not its parameters.
-        own = self._tracked[:len(self._tracked) - len(outside)]
-        self._parts.append(ParamsLive(model, own, _weak_method(self._params_replaced)))
-        self._parts.append(Held(_loss_patch))
-        self._parts.append(Held(_save_patch))
-        _patches.register(self)
-        self._parts.append(Held(_compile.compile_patch,
-                                lambda: _compile.unwrap_compiled_call(model)))
         # Attached inside an optimizer's step (a callback in step(closure)): the rest of that step
         # is part of it, and its post-hook comes without a pre-hook (_make_post_step).
         self._stepping: set = set()
         self._amp_skipping: set = set()  # optimizers whose current step the GradScaler skips
         self._closures: dict = {}  # optimizer index -> its step's _StepClosure
         self._line_search: set = set()  # optimizers that evaluate a closure several times a step
-        for k in _steps_in_flight(self._optimizers):
+        for k in _steps_in_flight(self._ctx.optimizers):
             handle.step_in_flight(k)
-        # rank_desync (Note [Replica comparison], replicas.py): a distributed run's replicas.
-        self._replicas: Optional[ReplicaComparison] = None
-        if enabled("rank_desync", checks) and replicas_active():
-            self._replicas = ReplicaComparison(
-                handle,
-                model,
-                names,
-                params,
-                self._optimizers,
-                options,
-                _weak_method(self._apply),
-                lambda: _forward_clock[0],
-            )
-            self._parts.append(Replicas(self._replicas))
-        self._rerun = Rerun(self, model)  # Note [Re-run determinism] (determinism.cpp)
-        self._parts += [Reruns(self._rerun), attribution(self, model, options)]
-        self._resume = ResumeWatch(self)  # Note [Resume checks] (host/checks/resume.cpp)
-        self._parts.append(Resumes(self._resume))
         journaled = watching_before()  # Note [Loads before attach]
-        self._parts.append(Held(journal))  # the loads from now on (Note [Load journal])
-        self._prov = Provenance(self, model)  # Note [Overflow provenance] (precision.cpp)
-        self._parts.append(Provenances(self._prov))
-        if RootlessForwards.needed(model):  # Note [Models without a root forward]
-            rootless = RootlessForwards(model)
-            rootless.install(_weak_method(self._on_forward))
-            self._parts.append(rootless)
-        self._calls = event_calls(self._parts)
+        # Note [Parts]: everything else it installs, in event order.
+        build_parts(Setup(
+            self._ctx, handle, names, params, external, outside, opt_index, options, checks,
+            methods={"on_forward": self._on_forward, "pre_step": self._pre_step,
+                     "post_step": self._post_step, "activation": self._activation,
+                     "check_target": self._check_target, "params_replaced": self._params_replaced,
+                     "apply": self._apply, "add_py": self._add_py, "due": self._due_flag}))
+        self._calls = event_calls(self._ctx.parts)
         # Loads made before this attach, judged as if it had come first (Note [Load journal]); a
         # finding that raises (policy raise) leaves nothing attached.
         try:
-            replay_loads(self)
+            replay_loads(self._ctx)
             if not journaled:
-                self._resume.seen_at_attach()
+                self._ctx.resume.seen_at_attach()
         except TrainingBugError:
             try:
                 self.close()
@@ -275,13 +204,13 @@ class Sanitizer:
 
     def _on_fault(self, where: str, exc: Exception) -> None:
         """Note [Faults]: TrainSan's own code failed in the loop; it stops checking, told once."""
-        if self._fault is not None:
+        if self._ctx.fault is not None:
             return
-        step = int(self._handle.step()) if hasattr(self, "_handle") else 0
-        self._fault = fault_text(where, step, exc)
-        warn_fault(self._fault)
+        step = int(self._ctx.handle.step()) if self._ctx.handle is not None else 0
+        self._ctx.fault = fault_text(where, step, exc)
+        warn_fault(self._ctx.fault)
         try:
-            self._note("fault", self._fault)
+            self._note("fault", self._ctx.fault)
         except Exception:  # noqa: BLE001 - the trace may be what failed
             pass
 
@@ -289,22 +218,67 @@ class Sanitizer:
         """A note: a trace record, listed by summary() and coverage(); warned under "warn"."""
         if any(n["about"] == about and n["message"] == message for n in self._notes):
             return
-        rec = {"type": "note", "about": about, "step": int(self._handle.step()),
+        rec = {"type": "note", "about": about, "step": int(self._ctx.handle.step()),
                "message": message, **extra}
         self._notes.append(rec)
-        self._handle.trace_record(json.dumps(rec))
-        if self._policy == "warn":
+        self._ctx.handle.trace_record(json.dumps(rec))
+        if self._ctx.policy == "warn":
             warnings.warn(message, TrainingBugWarning, stacklevel=_user_stacklevel())
 
     def _params_replaced(self, message: str) -> None:
         """ParamsLive: the attached parameters are no longer the model's (at the first step)."""
-        if self._policy == "raise":
+        if self._ctx.policy == "raise":
             raise RuntimeError(message)
         self._rebind(message)
 
     def _rebind(self, message: str) -> None:
-        """Re-bind to the model's current parameters (Note [Attach order], _attach_order.py)."""
-        rebind(self, message)
+        """Re-bind to the model's current parameters (Note [Attach order], _attach_order.py):
+        what it installed is released quietly and built anew; findings and counts carry over."""
+        ctx = self._ctx
+        registered = attached_to(ctx.model) is ctx
+        old, old_hot = ctx.handle, ctx.hot
+        counts = dict(old.coverage()[0])
+        self._release_quietly()
+        try:
+            old.close()  # its reports are not applied; its summary record is overwritten
+        except Exception:  # noqa: BLE001
+            pass
+        self._ctx.binding += 1
+        try:
+            self._build()
+        except Exception as exc:  # noqa: BLE001 - never raise into the script under warn/record
+            self._release_quietly()
+            if ctx.handle is not old:
+                try:
+                    ctx.handle.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            ctx.handle, ctx.hot = old, old_hot  # what it found stays readable
+            warnings.warn(f"{message}; re-binding to the model's current parameters failed "
+                          f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
+                          TrainingBugWarning, stacklevel=_user_stacklevel())
+            return
+        before = [Finding._from_tuple(t) for t in old.findings()]
+        self._before = merge_findings(self._before, before)
+        for key in _ADDITIVE:
+            if key in counts:
+                self._counts_before[key] = self._counts_before.get(key, 0) + int(counts[key])
+        if registered:
+            _attached[ctx.model] = weakref.ref(ctx)
+            _compile.wrap_compiled_call(ctx.model)
+        extra = {"findings_before": [dataclasses.asdict(f) for f in before]} if before else {}
+        self._note("parameters_replaced",
+                   message + _GOES_ON["parameters_replaced"].format(policy=ctx.policy), **extra)
+
+    def _release_quietly(self) -> None:
+        """Closed, out of the registries, every part closed, errors ignored (a re-binding)."""
+        self._ctx.closed = True
+        _patches.unregister(self._ctx)
+        for part in self._ctx.parts:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - quiet: what is left is built anew
+                pass
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -312,7 +286,7 @@ class Sanitizer:
         """Map the policy's answers (decided in C++) to an exception or a warning."""
         if not reports:
             return  # most events report nothing: no generator for them
-        for t, action in attributed(self, reports):  # Note [Re-run attribution]
+        for t, action in attributed(self._ctx, reports):  # Note [Re-run attribution]
             if ACTIONS[action] == "raise":
                 raise TrainingBugError(Finding._from_tuple(t))
             if ACTIONS[action] == "warn":
@@ -320,13 +294,13 @@ class Sanitizer:
 
     @entry
     def _on_forward(self, module, args, kwargs):
-        if self._closed or self._in_compiled:
+        if self._ctx.closed or self._ctx.in_compiled:
             return None  # (a compiled call's entry reported this forward: Note [Compiled regions])
         t0 = time.perf_counter()
         training = module.training
         if training and torch.is_grad_enabled():
             _forward_clock[0] += 1
-            self._last_train_forward = _forward_clock[0]
+            self._ctx.last_train_forward = _forward_clock[0]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
         lpass, workers, init, batch = (take_loader_facts() if training and torch.is_grad_enabled()
@@ -334,7 +308,7 @@ class Sanitizer:
         # The forward's reports, and what the members ask at a training forward (the handle's
         # due(), Sanitizer._due_flag) in the same call.
         t1 = time.perf_counter()  # the C++ event times itself (Note [Own time])
-        found, due = self._hot.forward(
+        found, due = self._ctx.hot.forward(
             training, inputs, module_eval, self._take_overhead() + (t1 - t0), _data_restarts[0],
             lpass, workers, init, batch
         )
@@ -356,7 +330,7 @@ class Sanitizer:
         provenance are due — from the one call a training forward makes for its members, or
         asked now outside one."""
         due = self._due
-        return (due if due is not None else self._handle.due())[i]
+        return (due if due is not None else self._ctx.handle.due())[i]
 
     def _add_py(self, seconds: float) -> None:
         self._py_overhead += seconds
@@ -370,9 +344,9 @@ class Sanitizer:
             return None
         # args[0] is the optimizer itself (torch.optim's hook wrapper passes step's own args).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure) and not self._closed and k not in self._line_search:
+        if callable(closure) and not self._ctx.closed and k not in self._line_search:
             # Note [Closure steps]: the step begins when its closure has run once.
-            wrapped = _StepClosure(self, k, closure)
+            wrapped = _StepClosure(self._ctx, k, closure)
             self._closures[k] = wrapped
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -383,19 +357,19 @@ class Sanitizer:
     def _begin_step(self, k: int) -> None:
         # Every member, also once closed (each is a no-op then, but for windows still to end).
         t0 = time.perf_counter()
-        binding = self._binding
+        binding = self._ctx.binding
         for call in self._calls["before_step"]:
             call(k)
-            if self._binding != binding:
+            if self._ctx.binding != binding:
                 return  # re-bound: this step is in flight for the new hooks (Note [Attach order])
         self._py_overhead += time.perf_counter() - t0
-        if not self._closed:
+        if not self._ctx.closed:
             self._stepping.add(k)
             # A fused optimizer stepped by a GradScaler (which hands it `grad_scale`) unscales
             # the gradients inside its step, in place and without moving their versions: they
             # are read at the step end then (Note [Gradients read at the step's beginning]).
-            final = self._optimizers[k].__dict__.get("grad_scale") is None
-            reports, headroom = self._hot.step_begin(k, final)  # headroom: the step, when due
+            final = self._ctx.optimizers[k].__dict__.get("grad_scale") is None
+            reports, headroom = self._ctx.hot.step_begin(k, final)  # headroom: the step, when due
             if headroom >= 0:
                 self._headroom_at[k] = headroom
             self._apply(reports)
@@ -404,10 +378,10 @@ class Sanitizer:
         """ids of the leaves the autograd graph holds for this model's parameters besides the
         parameters themselves: FSDP2's unsharded parameters (created at its lazy init, so looked
         up when asked; Note [Loss roots])."""
-        if not self._fsdp_ids:
+        if not self._ctx.fsdp_ids:
             return _NO_IDS
-        if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._fsdp_ids):
-            self._unsharded_ids = _fsdp_unsharded_ids(self._model)
+        if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._ctx.fsdp_ids):
+            self._unsharded_ids = _fsdp_unsharded_ids(self._ctx.model)
         return self._unsharded_ids
 
     @entry
@@ -417,7 +391,7 @@ class Sanitizer:
             return  # not counted: the GradScaler patch sees no step and reports the AMP skip
         _step_counts.bump(opt)
         self._unstepped_backward = False
-        if self._closed:
+        if self._ctx.closed:
             return
         self._watched.clear()  # a loss is watched once per step (Note [Loss roots])
         t0 = time.perf_counter()
@@ -431,21 +405,21 @@ class Sanitizer:
         if k not in self._stepping:
             # No pre-hook for this step: it was in flight when this sanitizer attached (or its
             # closure was never called).
-            self._handle.step_in_flight(k)
+            self._ctx.handle.step_in_flight(k)
         self._stepping.discard(k)
         if self._dt_index:
             ps = self._dt_params
-            self._handle.local_shards(
+            self._ctx.handle.local_shards(
                 self._dt_index,
                 [p._local_tensor for p in ps],
                 [None if p.grad is None else p.grad._local_tensor for p in ps],
             )
         self._py_overhead += time.perf_counter() - t0
-        reports = self._hot.step_end(k, lr0, self._take_overhead(), lrs)
+        reports = self._ctx.hot.step_end(k, lr0, self._take_overhead(), lrs)
         if k in self._headroom_at:
             t0 = time.perf_counter()
             step = self._headroom_at.pop(k)
-            write_headroom(self._handle, self._tracked, self._opt_index, k, step)
+            write_headroom(self._ctx.handle, self._tracked, self._opt_index, k, step)
             self._py_overhead += time.perf_counter() - t0
         if self._calls["after_step"]:
             t0 = time.perf_counter()
@@ -458,40 +432,40 @@ class Sanitizer:
     def _check_save(self, obj, f) -> None:
         """torch.save(obj, f) while attached (Note [Checkpoint checks]): judged before writing
         when obj holds this model's tensors."""
-        if self._closed or not holds_model(obj, self._model):
+        if self._ctx.closed or not holds_model(obj, self._ctx.model):
             return
         t0 = time.perf_counter()
         # A path, or a file object's own path (ignite's Checkpoint saves through an open
         # file); a buffer without one by its type.
         name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
         where = os.fspath(name) if isinstance(name, (str, os.PathLike)) else type(f).__name__
-        facts = gather(obj, f"torch.save to {where}", self._model, self._optimizers,
+        facts = gather(obj, f"torch.save to {where}", self._ctx.model, self._ctx.optimizers,
                        part_ok=True)
         self._py_overhead += time.perf_counter() - t0
-        self._apply(self._handle.checkpoint(facts.fields()))
+        self._apply(self._ctx.handle.checkpoint(facts.fields()))
 
     @entry
     def _activation(self, name: str, module, args, output):
-        if self._closed or not torch.is_grad_enabled():
+        if self._ctx.closed or not torch.is_grad_enabled():
             return
         outs = [t for t in _flat_tensors(output, []) if t.is_floating_point()]
         if outs:
-            self._apply(self._handle.module_output(name, type(module).__name__, outs))
+            self._apply(self._ctx.handle.module_output(name, type(module).__name__, outs))
 
     @entry
     def _check_target(self, op, input, target, ignore_index, num_classes) -> None:
-        self._apply(self._handle.check_target(op, input, target, ignore_index, num_classes))
+        self._apply(self._ctx.handle.check_target(op, input, target, ignore_index, num_classes))
 
     @entry
     def _gradients_cleared(self, opt) -> None:
         """zero_grad of optimizer `opt` (None: of the model) is about to run (Note [Discarded
         gradients])."""
-        if self._closed:
+        if self._ctx.closed:
             return
         if opt is None:
             k = -1
-        elif opt in self._optimizers:
-            k = self._optimizers.index(opt)
+        elif opt in self._ctx.optimizers:
+            k = self._ctx.optimizers.index(opt)
         else:
             return
         if self._unstepped_backward:
@@ -502,18 +476,18 @@ class Sanitizer:
             for call in self._calls["before_clear"]:
                 call(k)
             self._py_overhead += time.perf_counter() - t0
-        self._apply(self._hot.gradients_cleared(k))
+        self._apply(self._ctx.hot.gradients_cleared(k))
 
     @entry
     def _scaler_step(self, opt, skipped: bool, scale: float) -> None:
         """A GradScaler step of optimizer `opt` (after it: skipped, or the optimizer stepped)."""
-        if self._closed or opt not in self._optimizers:
+        if self._ctx.closed or opt not in self._ctx.optimizers:
             return
-        k = self._optimizers.index(opt)
+        k = self._ctx.optimizers.index(opt)
         self._unstepped_backward = False
         for call in self._calls["on_scaler"]:
             call(k, skipped)
-        self._apply(self._handle.scaler_step(k, skipped, scale))
+        self._apply(self._ctx.handle.scaler_step(k, skipped, scale))
         if skipped:
             for call in self._calls["after_step"]:
                 call(k, True)
@@ -534,12 +508,12 @@ class Sanitizer:
 
     @entry
     def _backward_without_graph(self) -> None:
-        self._apply(self._handle.backward_without_graph())
+        self._apply(self._ctx.handle.backward_without_graph())
 
     @entry
     def _auto_loss(self, loss: torch.Tensor) -> None:
         """The root of a training backward (Note [Loss roots]): watched as by watch_loss."""
-        if self._closed:
+        if self._ctx.closed:
             return
         self._unstepped_backward = True
         t0 = time.perf_counter()
@@ -548,7 +522,7 @@ class Sanitizer:
         for call in self._calls["on_loss"]:
             call(loss)
         self._py_overhead += time.perf_counter() - t0
-        self._apply(self._hot.loss(_local(loss)))
+        self._apply(self._ctx.hot.loss(_local(loss)))
         self._targets(loss)
 
     def _targets(self, loss: torch.Tensor) -> None:
@@ -559,7 +533,7 @@ class Sanitizer:
         t0 = time.perf_counter()
         found = _loss_targets(loss)
         if found:
-            self._handle.loss_targets(found)
+            self._ctx.handle.loss_targets(found)
         self._py_overhead += time.perf_counter() - t0
 
     def _take_overhead(self) -> float:
@@ -573,7 +547,7 @@ class Sanitizer:
         (Lightning calls ``training_step`` as a method, and a step may call a submodule): what
         the module's forward pre-hook does, with `inputs` as the forward's inputs (for
         duplicate_batch). Grad mode and the modules' train/eval modes are read now."""
-        self._on_forward(self._model, inputs, {})
+        self._on_forward(self._ctx.model, inputs, {})
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Check a loss (``nonfinite_loss``, ``loss_spike``, ``trivial_loss``) and return it
@@ -581,28 +555,28 @@ class Sanitizer:
         (Note [Loss roots]); the same tensor is checked once per step however it arrives."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"watch_loss: expected a tensor, got {type(loss).__name__}")
-        if not self._closed and self._first_watch(loss):
+        if not self._ctx.closed and self._first_watch(loss):
             for call in self._calls["on_loss"]:
                 call(loss)
-            self._apply(self._hot.loss(_local(loss)))
+            self._apply(self._ctx.hot.loss(_local(loss)))
             self._targets(loss)
         return loss
 
     @property
     def findings(self) -> list[Finding]:
         """Every distinct finding so far, each with its count."""
-        now = [Finding._from_tuple(t) for t in self._handle.findings()]
+        now = [Finding._from_tuple(t) for t in self._ctx.handle.findings()]
         return merge_findings(self._before, now) if self._before else now
 
     @property
     def step(self) -> int:
         """Number of completed optimizer steps."""
-        return int(self._handle.step())
+        return int(self._ctx.handle.step())
 
     @property
     def overhead_seconds(self) -> float:
         """Time spent inside TrainSan so far (C++ and Python hooks)."""
-        return float(self._handle.overhead_s()) + self._py_overhead
+        return float(self._ctx.handle.overhead_s()) + self._py_overhead
 
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
@@ -616,16 +590,16 @@ class Sanitizer:
         the parameters of a dtype the statistics pass does not read (``"name (dtype)"``), and
         ``outside_model``: per attached optimizer holding parameters that are not the model's,
         ``{optimizer, type, count, of, shapes, why}`` (those parameters are not checked)."""
-        counts, kinds, reasons, trace_error, unread, fault = self._handle.coverage()
+        counts, kinds, reasons, trace_error, unread, fault = self._ctx.handle.coverage()
         out = dict(counts)
         for key, n in self._counts_before.items():  # before a re-binding (Note [Attach order])
             out[key] = out.get(key, 0) + n
         out["unchecked"] = dict(zip(kinds, reasons))
         out["trace_error"] = trace_error or None
         out["unread"] = list(unread)
-        out["fault"] = self._fault or fault or None  # Python's, or the C++ events' (Note [Faults])
-        out["outside_model"] = outside_model(self._optimizers, self._param_ids)
-        if self._replicas is not None and not self._replicas.sets:
+        out["fault"] = self._ctx.fault or fault or None  # Python's, or the C++ events' (Note [Faults])
+        out["outside_model"] = outside_model(self._ctx.optimizers, self._ctx.param_ids)
+        if self._ctx.replicas is not None and not self._ctx.replicas.sets:
             out["unchecked"]["rank_desync"] = (
                 "no parameter has replicas on this rank (each is sharded on every mesh dimension "
                 "or marked tensor_model_parallel)"
@@ -643,20 +617,20 @@ class Sanitizer:
         """Statistics of the last checked step: ``"<param>"``, ``"<param>.grad"`` and
         ``"<param>.update"`` (for the update, ``l2``/``absmax`` are ‖Δθ‖ and max|Δθ|, ``zero`` the
         number of unchanged elements)."""
-        names, ints, floats = self._handle.last_stats()
+        names, ints, floats = self._ctx.handle.last_stats()
         return dict(zip(names, _unpack(ints, floats)))
 
     def close(self) -> None:
         """Flush pending checks, write the trace summary and remove every hook."""
-        if self._closed:
+        if self._ctx.closed:
             return
-        self._closed = True
-        _patches.unregister(self)
+        self._ctx.closed = True
+        _patches.unregister(self._ctx)
         # Every member of the list (Note [Gatherers]): each gatherer closed, each hook removed,
         # each patch released, also when one of them fails (raised after the others).
         found: list = []
         error: Optional[BaseException] = None
-        for part in self._parts:
+        for part in self._ctx.parts:
             try:
                 found += part.close()
             except Exception as exc:  # noqa: BLE001 - re-raised below
@@ -664,14 +638,14 @@ class Sanitizer:
         try:
             if error is not None:
                 raise error
-            self._apply(found + list(self._handle.close()))
+            self._apply(found + list(self._ctx.handle.close()))
         except Exception as exc:
-            if not hasattr(self, "_handle") or not absorb(self, "close", exc):
+            if self._ctx.handle is None or not absorb(self._ctx, "close", exc):
                 raise  # (no handle: an attach that failed, closed by __del__)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._ctx.closed
 
     def __enter__(self) -> "Sanitizer":
         return self
@@ -688,7 +662,7 @@ class Sanitizer:
     def __del__(self):
         # Note [Sanitizer lifetime]: dropped without close().
         try:
-            if not self._closed and hasattr(self, "_handle"):
+            if not self._ctx.closed and self._ctx.handle is not None:
                 warnings.warn(
                     "trainsan: a Sanitizer was garbage-collected without close(); its hooks are "
                     "removed and it checks nothing more. Keep the object attach() returns "
@@ -697,7 +671,7 @@ class Sanitizer:
                     ResourceWarning if sys.is_finalizing() else UserWarning,
                     stacklevel=2,
                 )
-            if not self._closed:
+            if not self._ctx.closed:
                 self.close()
         except Exception:
             pass

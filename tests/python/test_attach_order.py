@@ -188,7 +188,7 @@ def test_b_record_rebinds_and_goes_on_checking(tmp_path, bug):
         san.close()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # trained
     # Still the model's sanitizer, now watching its current parameters.
-    assert san._param_ids == {id(p) for p in model.parameters()}
+    assert san._ctx.param_ids == {id(p) for p in model.parameters()}
     assert san.step == STEPS and san.coverage()["steps_checked"] == STEPS
     (note,) = san.coverage()["notes"]
     assert "no longer the model's" in note and "re-binds" in note

@@ -268,7 +268,7 @@ def test_off_keeps_nothing_and_changes_no_message():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     san = trainsan.attach(model, opt, policy="record")
-    assert not any(isinstance(p, Attribution) for p in san._parts)
+    assert not any(isinstance(p, Attribution) for p in san._ctx.parts)
     assert len(model._forward_hooks) == 0
     for x, y in batches(5, poison=2):
         opt.zero_grad()

@@ -46,7 +46,7 @@ def test_module_loads_where_it_was_built():
     m = nn.Linear(3, 1)
     san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
     try:
-        assert san._hot.forward.func is mod.forward  # a partial over the module's function
+        assert san._ctx.hot.forward.func is mod.forward  # a partial over the module's function
     finally:
         san.close()
 
@@ -56,7 +56,7 @@ def test_classes_path_is_the_handles_methods(classes_path):
     san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
     try:
         for name in _native._HOT_EVENTS:
-            assert isinstance(getattr(san._hot, name), torch.ScriptMethod), name
+            assert isinstance(getattr(san._ctx.hot, name), torch.ScriptMethod), name
     finally:
         san.close()
 
@@ -108,7 +108,7 @@ def test_errors_are_the_same_python_exceptions(path, monkeypatch):
     strict = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="raise")
     try:
         with pytest.raises((RuntimeError, TypeError, ValueError)) as err:
-            strict._hot.loss(torch.tensor([1.0]).to(torch.float8_e4m3fn))
+            strict._ctx.hot.loss(torch.tensor([1.0]).to(torch.float8_e4m3fn))
         assert "float8" in str(err.value).lower() and "dtype" in str(err.value).lower()
     finally:
         strict.close()

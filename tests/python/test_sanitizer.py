@@ -96,12 +96,12 @@ def test_close_removes_every_hook():
     model, opt = _setup()
     orig_scaler_step = torch.amp.GradScaler.step
     san = trainsan.attach(model, opt, policy="record")
-    assert san._handle.hooks_installed()
+    assert san._ctx.handle.hooks_installed()
     assert len(model._forward_pre_hooks) == 1
     assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
     assert torch.amp.GradScaler.step is not orig_scaler_step
     san.close()
-    assert not san._handle.hooks_installed()
+    assert not san._ctx.handle.hooks_installed()
     assert len(model._forward_pre_hooks) == 0
     assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
     assert torch.amp.GradScaler.step is orig_scaler_step

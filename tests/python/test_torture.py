@@ -457,7 +457,7 @@ def test_an_internal_error_under_record_is_told_once_and_the_loop_goes_on(monkey
     def broken(*a, **k):
         raise RuntimeError("boom inside trainsan")
 
-    monkeypatch.setattr(san._hot, "step_end", broken)
+    monkeypatch.setattr(san._ctx.hot, "step_end", broken)
     before = m.weight.detach().clone()
     with pytest.warns(RuntimeWarning, match="internal error in post_step.*boom inside trainsan"):
         for i in range(3):
@@ -470,10 +470,10 @@ def test_an_internal_error_under_record_is_told_once_and_the_loop_goes_on(monkey
     m2 = nn.Linear(8, 1)
     opt2 = torch.optim.SGD(m2.parameters(), 1e-2)
     san2 = trainsan.attach(m2, opt2, policy="raise")
-    monkeypatch.setattr(san2._hot, "step_end", broken)
+    monkeypatch.setattr(san2._ctx.hot, "step_end", broken)
     with pytest.raises(RuntimeError, match="boom inside trainsan"):
         _plain(m2, opt2, x, y)(0)
-    san2._fault = "test"  # stop it: its close would meet the same broken handle state
+    san2._ctx.fault = "test"  # stop it: its close would meet the same broken handle state
     san2.close()
 
 
