@@ -1,7 +1,7 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
 // that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns, compare_recompute), the figures of bad_custom_grad's directional
-// check, and the verdict of rank_desync's replica payload (judge_replica_payload, replica_labels).
+// nondeterminism (compare_reruns, compare_recompute) and the verdict of rank_desync's replica
+// payload (judge_replica_payload, replica_labels).
 // A fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
@@ -85,18 +85,6 @@ std::optional<trainsan::FactsDict> compare_recompute_op(std::string region, std:
   return trainsan::facts_to_dict(*f);
 }
 
-// CustomGradResult's figures by name (its function and input_index are the caller's to set).
-trainsan::FactsDict directional_figures_op(std::vector<at::Tensor> u, const at::Tensor& v,
-                                           std::vector<at::Tensor> y0, std::vector<at::Tensor> yp,
-                                           std::vector<at::Tensor> ym,
-                                           const std::optional<at::Tensor>& grad, double eps,
-                                           std::vector<at::Tensor> u_surrogate,
-                                           const std::optional<at::Tensor>& grad_surrogate) {
-  return trainsan::facts_to_dict(
-      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps, u_surrogate,
-                                    grad_surrogate.value_or(at::Tensor())));
-}
-
 // The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
 // then that of their complements): (outcome, then per differing tensor its field, name, what and
 // whether it is shown, the fields to gather from every rank, grads_compared, grads_differ,
@@ -155,16 +143,6 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
                        std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
   m.def("compare_reruns", &compare_reruns_op);
   m.def("compare_recompute", &compare_recompute_op);
-  m.def("directional_eps(Tensor x, bool low_precision) -> float",
-        [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
-  m.def(
-      "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
-      "Tensor? grad, float eps, Tensor[] u_surrogate, Tensor? grad_surrogate) -> "
-      "Dict(str, Any)",
-      &directional_figures_op);
-  m.def("surrogate_masks(Tensor x_plus, Tensor x_minus, Tensor[] yp, Tensor[] ym) -> Tensor[]",
-        [](const at::Tensor& xp, const at::Tensor& xm, std::vector<at::Tensor> yp,
-           std::vector<at::Tensor> ym) { return trainsan::surrogate_masks(xp, xm, yp, ym); });
   m.def("judge_replica_payload", &judge_replica_payload_op);
   m.def("replica_labels(int[] values) -> int[]",
         [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _compile, _patches
+from . import _compile, _native, _patches
 from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _group_lrs,
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
@@ -207,7 +207,11 @@ class Sanitizer:
                 _weak_method(self._apply),
                 _weak_method(self._add_py),
             ), _weak_method(self._due_flag)))
-        if enabled("bad_custom_grad", checks):
+        if enabled("bad_custom_grad", checks) and _native.drivers() is None:
+            # Note [One orchestration] (bindings/csrc/hot.cpp): the measurement is C++ only.
+            self._note("check_off", "trainsan: bad_custom_grad is not checked: its measurement "
+                       f"runs in the _trainsan_hot module ({_native.drivers_problem()})")
+        elif enabled("bad_custom_grad", checks):
             # Under several processes only when gradcheck_every was asked for (CustomGradCheck).
             self._parts.append(CustomGrads(CustomGradCheck(
                 handle, _weak_method(self._apply), _weak_method(self._add_py),
