@@ -1,14 +1,16 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
 // that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns, compare_recompute) and the verdict of rank_desync's replica
-// payload (judge_replica_payload, replica_labels).
+// nondeterminism (compare_reruns, compare_recompute), the walk of a loss root (walk_loss_graph),
+// and the verdict of rank_desync's replica payload (judge_replica_payload, replica_labels).
 // A fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -85,6 +87,29 @@ std::optional<trainsan::FactsDict> compare_recompute_op(std::string region, std:
   return trainsan::facts_to_dict(*f);
 }
 
+// Note [Loss roots]: walk_loss_graph for the Python package, the targets flattened (target k's
+// leaves are the next target_sizes[k] tensors of `targets`): (per target 1 when reached, the
+// requires-grad leaves reached, walked to its end, out of budget).
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, bool, bool> walk_loss_graph_op(
+    const at::Tensor& root, const std::vector<at::Tensor>& targets,
+    const std::vector<int64_t>& target_sizes) {
+  std::vector<std::vector<const void*>> sets(target_sizes.size());
+  size_t next = 0;
+  for (size_t k = 0; k < target_sizes.size(); ++k) {
+    for (int64_t j = 0; j < target_sizes[k]; ++j) {
+      TORCH_CHECK_VALUE(next < targets.size(), "walk_loss_graph: target_sizes add up to more than ",
+                        targets.size(), " targets");
+      sets[k].push_back(targets[next++].unsafeGetTensorImpl());
+    }
+    std::sort(sets[k].begin(), sets[k].end(), std::less<const void*>());
+  }
+  std::vector<const std::vector<const void*>*> ptrs;
+  for (const auto& s : sets) ptrs.push_back(&s);
+  trainsan::LossWalk w = trainsan::walk_loss_graph(root, ptrs, /*keep_leaves=*/true);
+  return {std::vector<int64_t>(w.reaches.begin(), w.reaches.end()), std::move(w.leaves), w.complete,
+          w.out_of_budget};
+}
+
 // The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
 // then that of their complements): (outcome, then per differing tensor its field, name, what and
 // whether it is shown, the fields to gather from every rank, grads_compared, grads_differ,
@@ -143,6 +168,7 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
                        std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
   m.def("compare_reruns", &compare_reruns_op);
   m.def("compare_recompute", &compare_recompute_op);
+  m.def("walk_loss_graph", &walk_loss_graph_op);
   m.def("judge_replica_payload", &judge_replica_payload_op);
   m.def("replica_labels(int[] values) -> int[]",
         [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });

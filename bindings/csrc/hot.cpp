@@ -6,17 +6,19 @@
 // Note [One orchestration]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // An algorithm that orchestrates evaluations of the user's code — the directional gradcheck of a
-// custom Function (measure_custom_grad, host/custom_grad.cpp), ... — is written once, in C++,
-// where LibTorch programs call it. The Python package calls the same driver here, passing Python
-// callables: pybind11 wraps a Python function into the std::function the driver takes and takes
-// the GIL for each call. The GIL is released for the driver's own work, since its backward may
-// run a Python Function's backward on an autograd device thread, which needs the GIL. These
-// drivers need pybind11, so they live in this module, not in the op library (torch.classes cannot
-// take a Python callable). The module is built with the package wherever Python's headers are
-// (always under pip); where it is missing (another Python than the build's, TRAINSAN_HOT_MODULE
-// OFF) the checks built on a driver are off and the package says so in a note (drivers() in
-// _native.py) — there is no second implementation in Python. TRAINSAN_HOT=0 chooses the binding
-// of the per-step events only; the drivers are used either way.
+// custom Function (measure_custom_grad, host/custom_grad.cpp) — is written once, in C++, where
+// LibTorch programs call it. (One that needs no Python callable is an op of the op library
+// instead, which every Python can load: the loss-root walk, walk_loss_graph in check_ops.cpp.) The
+// Python package calls the same driver here, passing Python callables: pybind11 wraps a Python
+// function into the std::function the driver takes and takes the GIL for each call. The GIL is
+// released for the driver's own work, since its backward may run a Python Function's backward on an
+// autograd device thread, which needs the GIL. These drivers need pybind11, so they live in this
+// module, not in the op library (torch.classes cannot take a Python callable). The module is built
+// with the package wherever Python's headers are (always under pip); where it is missing (another
+// Python than the build's, TRAINSAN_HOT_MODULE OFF) the checks built on a driver are off and the
+// package says so in a note (drivers() in _native.py) — there is no second implementation in
+// Python. TRAINSAN_HOT=0 chooses the binding of the per-step events only; the drivers are used
+// either way.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
