@@ -381,7 +381,7 @@ def _check_function(orig_fn, cls, inputs, kwargs, handle) -> list:
         with torch.random.fork_rng(devices=devices):
             for base in candidates:
                 try:
-                    return _directional_check(orig_fn, cls, base, diff, kwargs, devices)
+                    return _directional_check(orig_fn, cls, base, diff, kwargs)
                 except Exception:
                     continue  # cannot run on these copies: the next candidate
     except Exception:
@@ -392,12 +392,13 @@ def _check_function(orig_fn, cls, inputs, kwargs, handle) -> list:
     return []
 
 
-def _directional_check(orig_fn, cls, base, diff, kwargs, devices) -> list:
+def _directional_check(orig_fn, cls, base, diff, kwargs) -> list:
     """Per differentiable input: CustomGradResult by name (autograd_facts.h) as the C++
     measurement trainsan::measure_custom_grad (host/custom_grad.cpp) computes it, run on the
     Function through _trainsan_hot (Note [One orchestration], bindings/csrc/hot.cpp); its
-    input_index is the position in the Function's arguments. Raises when the Function cannot run
-    on these copies."""
+    input_index is the position in the Function's arguments. It seeds and restores the RNG
+    generators of the copies' devices (the CPU's, and CUDA's for copies on a GPU). Raises when the
+    Function cannot run on these copies."""
     name = f"{cls.__module__}.{cls.__qualname__}"
     at = [k for k, a in enumerate(base) if isinstance(a, torch.Tensor)]
     # The measurement's differentiable inputs are those that require grad (copies: ours to mark).
