@@ -1,8 +1,8 @@
 // bad_custom_grad's measurement (custom_grad.h): a custom autograd function's backward against
 // central differences along one random direction per input, in float64 (Note [Directional
-// gradcheck], host/checks/autograd.cpp, which judges the figures). The Python package evaluates
-// a Python Function itself (bindings/trainsan/autograd_checks.py) and calls directional_eps and
-// directional_figures for the figures, so both compute them alike.
+// gradcheck], host/checks/autograd.cpp, which judges the figures). The Python package runs this
+// same measurement on a Python Function (measure_custom_grad_or_throw through _trainsan_hot, Note
+// [One orchestration] in bindings/csrc/hot.cpp).
 #include "trainsan/custom_grad.h"
 
 #include <ATen/ATen.h>
@@ -148,8 +148,12 @@ CustomGradResult directional_figures(const std::vector<at::Tensor>& u, const at:
   return r;
 }
 
-std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const TensorFunction& fn,
-                                                  const std::vector<at::Tensor>& inputs) {
+namespace {
+
+// measure_custom_grad; `rethrow`: an exception of an evaluation propagates instead of meaning "not
+// checked" (measure_custom_grad_or_throw).
+std::vector<CustomGradResult> measure(const std::string& name, const TensorFunction& fn,
+                                      const std::vector<at::Tensor>& inputs, bool rethrow) {
   TORCH_CHECK_VALUE(static_cast<bool>(fn), "measure_custom_grad(", name, "): fn is empty");
   std::vector<size_t> diff;  // the differentiable inputs
   for (size_t k = 0; k < inputs.size(); ++k) {
@@ -253,9 +257,23 @@ std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const
       results.push_back(std::move(r));
     }
   } catch (const std::exception&) {
+    if (rethrow) throw;
     return {};  // a function that cannot run in float64 or on copies: not checked
   }
   return results;
+}
+
+}  // namespace
+
+std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const TensorFunction& fn,
+                                                  const std::vector<at::Tensor>& inputs) {
+  return measure(name, fn, inputs, /*rethrow=*/false);
+}
+
+std::vector<CustomGradResult> measure_custom_grad_or_throw(const std::string& name,
+                                                           const TensorFunction& fn,
+                                                           const std::vector<at::Tensor>& inputs) {
+  return measure(name, fn, inputs, /*rethrow=*/true);
 }
 
 std::vector<Finding> check_custom_grad(const std::string& name, const TensorFunction& fn,

@@ -1,7 +1,7 @@
 // Note [Foreign backwards] (host/checks/gradient_flow.cpp): the facts of a backward that reached
 // none of the sanitizer's parameters but other requires-grad leaves, and, for a LibTorch loop,
-// the walk of its loss's graph that finds them (the Python package walks its roots itself, in
-// the walk of Note [Loss roots], and reports through Sanitizer::foreign_backward).
+// the walk of a loss's graph that finds them (walk_loss_graph, trainsan/loss_walk.h: also the walk
+// of the Python package's Note [Loss roots], which reports through Sanitizer::foreign_backward).
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -11,13 +11,50 @@
 #include <vector>
 
 #include "sanitizer_impl.h"
+#include "trainsan/loss_walk.h"
+
+namespace trainsan {
+
+LossWalk walk_loss_graph(const at::Tensor& root,
+                         const std::vector<const std::vector<const void*>*>& targets,
+                         bool keep_leaves, int64_t limit) {
+  LossWalk w;
+  w.reaches.assign(targets.size(), false);
+  if (!root.defined() || !root.grad_fn()) return w;
+  size_t found = 0;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack{root.grad_fn().get()};
+  int64_t budget = limit;
+  while (!stack.empty() && budget > 0 && (found < targets.size() || targets.empty())) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    budget -= 1;
+    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+      const void* impl = acc->variable.unsafeGetTensorImpl();
+      for (size_t t = 0; t < targets.size(); ++t) {
+        if (!w.reaches[t] && std::binary_search(targets[t]->begin(), targets[t]->end(), impl,
+                                                std::less<const void*>())) {
+          w.reaches[t] = true;
+          found += 1;
+        }
+      }
+      w.leaf_count += 1;
+      w.elements += acc->variable.numel();
+      if (keep_leaves) w.leaves.push_back(acc->variable);
+    }
+    for (const torch::autograd::Edge& e : node->next_edges()) {
+      if (e.function) stack.push_back(e.function.get());
+    }
+  }
+  w.complete = stack.empty();
+  w.out_of_budget = budget <= 0;
+  return w;
+}
+
+}  // namespace trainsan
 
 namespace trainsan::host {
-
-namespace {
-// As _WALK_LIMIT in bindings/trainsan/_patches.py: past it, the root is not judged.
-constexpr int64_t kWalkLimit = 20000;
-}  // namespace
 
 void SanitizerImpl::foreign_backward(const ForeignBackward& facts) {
   if (closed || facts.leaves <= 0) return;
@@ -31,28 +68,11 @@ int SanitizerImpl::walk(const at::Tensor& loss, ForeignBackward* f) {
     for (const TrackedParam& p : params) param_impls.push_back(p.param.unsafeGetTensorImpl());
     std::sort(param_impls.begin(), param_impls.end(), std::less<const void*>());
   }
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
-  int64_t budget = kWalkLimit;
-  while (!stack.empty() && budget > 0) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (node == nullptr || !seen.insert(node).second) continue;
-    budget -= 1;
-    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
-      const void* impl = acc->variable.unsafeGetTensorImpl();
-      if (std::binary_search(param_impls.begin(), param_impls.end(), impl,
-                             std::less<const void*>())) {
-        return 1;  // our loss
-      }
-      f->leaves += 1;
-      f->elements += acc->variable.numel();
-    }
-    for (const torch::autograd::Edge& e : node->next_edges()) {
-      if (e.function) stack.push_back(e.function.get());
-    }
-  }
-  return stack.empty() ? 0 : -1;  // walked to its end, or out of budget
+  const LossWalk w = walk_loss_graph(loss, {&param_impls}, /*keep_leaves=*/false);
+  if (w.reaches[0]) return 1;  // our loss
+  f->leaves = w.leaf_count;
+  f->elements = w.elements;
+  return w.complete ? 0 : -1;  // walked to its end, or out of budget
 }
 
 void SanitizerImpl::walk_loss(const at::Tensor& loss) {

@@ -1,14 +1,17 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
 // that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns, compare_recompute), the figures of bad_custom_grad's directional
-// check, and the verdict of rank_desync's replica payload (judge_replica_payload, replica_labels).
+// nondeterminism (compare_reruns, compare_recompute), the walk of a loss root (walk_loss_graph),
+// and rank_desync's replica row and the verdict of its payload (replica_row,
+// judge_replica_payload, replica_labels).
 // A fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -85,16 +88,69 @@ std::optional<trainsan::FactsDict> compare_recompute_op(std::string region, std:
   return trainsan::facts_to_dict(*f);
 }
 
-// CustomGradResult's figures by name (its function and input_index are the caller's to set).
-trainsan::FactsDict directional_figures_op(std::vector<at::Tensor> u, const at::Tensor& v,
-                                           std::vector<at::Tensor> y0, std::vector<at::Tensor> yp,
-                                           std::vector<at::Tensor> ym,
-                                           const std::optional<at::Tensor>& grad, double eps,
-                                           std::vector<at::Tensor> u_surrogate,
-                                           const std::optional<at::Tensor>& grad_surrogate) {
-  return trainsan::facts_to_dict(
-      trainsan::directional_figures(u, v, y0, yp, ym, grad.value_or(at::Tensor()), eps, u_surrogate,
-                                    grad_surrogate.value_or(at::Tensor())));
+// Note [Loss roots]: walk_loss_graph for the Python package, the targets flattened (target k's
+// leaves are the next target_sizes[k] tensors of `targets`): (per target 1 when reached, the
+// requires-grad leaves reached, walked to its end, out of budget).
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, bool, bool> walk_loss_graph_op(
+    const at::Tensor& root, const std::vector<at::Tensor>& targets,
+    const std::vector<int64_t>& target_sizes) {
+  std::vector<std::vector<const void*>> sets(target_sizes.size());
+  size_t next = 0;
+  for (size_t k = 0; k < target_sizes.size(); ++k) {
+    for (int64_t j = 0; j < target_sizes[k]; ++j) {
+      TORCH_CHECK_VALUE(next < targets.size(), "walk_loss_graph: target_sizes add up to more than ",
+                        targets.size(), " targets");
+      sets[k].push_back(targets[next++].unsafeGetTensorImpl());
+    }
+    std::sort(sets[k].begin(), sets[k].end(), std::less<const void*>());
+  }
+  std::vector<const std::vector<const void*>*> ptrs;
+  for (const auto& s : sets) ptrs.push_back(&s);
+  trainsan::LossWalk w = trainsan::walk_loss_graph(root, ptrs, /*keep_leaves=*/true);
+  return {std::vector<int64_t>(w.reaches.begin(), w.reaches.end()), std::move(w.leaves), w.complete,
+          w.out_of_budget};
+}
+
+// One rank's row of a replica comparison (trainsan::replica_row, Note [Replica payload]) as an
+// int64 tensor, from ReplicaRowFacts flattened: header = (digest, opt, count, step, skipped,
+// forwards); the step pass's fingerprints (index, param, grad, has_grad: 0/1); the parameters whose
+// gradients are compared; the optimizer state's fingerprints (state_index, state_hash); the
+// buffers' fingerprints (empty: not compared at this event); the set's members and buffer count.
+at::Tensor replica_row_op(const std::vector<int64_t>& header, std::vector<int64_t> index,
+                          std::vector<int64_t> param, std::vector<int64_t> grad,
+                          const std::vector<int64_t>& has_grad, std::vector<int64_t> grads,
+                          const std::vector<int64_t>& state_index,
+                          const std::vector<int64_t>& state_hash, std::vector<int64_t> buffers,
+                          const std::vector<int64_t>& members, int64_t n_buffers) {
+  TORCH_CHECK_VALUE(header.size() == 6, "replica_row: header has ", header.size(),
+                    " fields, not 6 (digest, opt, count, step, skipped, forwards)");
+  TORCH_CHECK_VALUE(param.size() == index.size() && grad.size() == index.size() &&
+                        has_grad.size() == index.size(),
+                    "replica_row: index, param, grad and has_grad differ in length");
+  TORCH_CHECK_VALUE(state_index.size() == state_hash.size(),
+                    "replica_row: state_index and state_hash differ in length");
+  trainsan::ReplicaRowFacts f;
+  f.digest = header[0];
+  f.opt = header[1];
+  f.count = header[2];
+  f.step = header[3];
+  f.skipped = header[4] != 0;
+  f.forwards = header[5];
+  f.fingerprints.index = std::move(index);
+  f.fingerprints.param = std::move(param);
+  f.fingerprints.grad = std::move(grad);
+  for (const int64_t h : has_grad) f.fingerprints.has_grad.push_back(h != 0);
+  f.grads = std::move(grads);
+  for (size_t k = 0; k < state_index.size(); ++k)
+    f.state.emplace_back(state_index[k], state_hash[k]);
+  f.buffers = std::move(buffers);
+  std::vector<int64_t> row;
+  try {
+    row = trainsan::replica_row(f, members, static_cast<size_t>(n_buffers));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return at::tensor(c10::ArrayRef<int64_t>(row), at::TensorOptions().dtype(at::kLong)).clone();
 }
 
 // The verdict of one replica comparison from its all-reduced payload (the maximum of the rows,
@@ -155,16 +211,8 @@ TORCH_LIBRARY_FRAGMENT(trainsan, m) {
                        std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
   m.def("compare_reruns", &compare_reruns_op);
   m.def("compare_recompute", &compare_recompute_op);
-  m.def("directional_eps(Tensor x, bool low_precision) -> float",
-        [](const at::Tensor& x, bool low) { return trainsan::directional_eps(x, low); });
-  m.def(
-      "directional_figures(Tensor[] u, Tensor v, Tensor[] y0, Tensor[] yp, Tensor[] ym, "
-      "Tensor? grad, float eps, Tensor[] u_surrogate, Tensor? grad_surrogate) -> "
-      "Dict(str, Any)",
-      &directional_figures_op);
-  m.def("surrogate_masks(Tensor x_plus, Tensor x_minus, Tensor[] yp, Tensor[] ym) -> Tensor[]",
-        [](const at::Tensor& xp, const at::Tensor& xm, std::vector<at::Tensor> yp,
-           std::vector<at::Tensor> ym) { return trainsan::surrogate_masks(xp, xm, yp, ym); });
+  m.def("walk_loss_graph", &walk_loss_graph_op);
+  m.def("replica_row", &replica_row_op);
   m.def("judge_replica_payload", &judge_replica_payload_op);
   m.def("replica_labels(int[] values) -> int[]",
         [](std::vector<int64_t> values) { return trainsan::replica_labels(values); });

@@ -1,6 +1,25 @@
 // _trainsan_hot: the per-step events of the Python package's sanitizer handle as a pybind11
 // module (Note [Hot path] in handle.h). Each function takes the handle's id (hot_id()) and calls
 // the same function as the torch.classes method of that name; a handle that is gone raises.
+// It also binds the C++ drivers that run Python callables (Note [One orchestration]).
+//
+// Note [One orchestration]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// An algorithm that orchestrates evaluations of the user's code — the directional gradcheck of a
+// custom Function (measure_custom_grad, host/custom_grad.cpp) — is written once, in C++, where
+// LibTorch programs call it. (One that needs no Python callable is an op of the op library
+// instead, which every Python can load: the loss-root walk, walk_loss_graph in check_ops.cpp.) The
+// Python package calls the same driver here, passing Python callables: pybind11 wraps a Python
+// function into the std::function the driver takes and takes the GIL for each call. The GIL is
+// released for the driver's own work, since its backward may run a Python Function's backward on an
+// autograd device thread, which needs the GIL. These drivers need pybind11, so they live in this
+// module, not in the op library (torch.classes cannot take a Python callable). The module is built
+// with the package wherever Python's headers are (always under pip); where it is missing (another
+// Python than the build's, TRAINSAN_HOT_MODULE OFF) the checks built on a driver are off and the
+// package says so in a note (drivers() in _native.py) — there is no second implementation in
+// Python. TRAINSAN_HOT=0 chooses the binding of the per-step events only; the drivers are used
+// either way.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
@@ -34,6 +53,30 @@ auto guarded(F&& f) -> decltype(f()) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// A facts struct's fields by name (Note [Facts by name]) as a Python dict: scalar fields only.
+py::dict to_py(const trainsan::FactsDict& d) {
+  py::dict out;
+  for (const auto& kv : d) {
+    const c10::IValue& v = kv.value();
+    py::object o;
+    if (v.isString()) {
+      o = py::str(v.toStringRef());
+    } else if (v.isBool()) {
+      o = py::bool_(v.toBool());
+    } else if (v.isInt()) {
+      o = py::int_(v.toInt());
+    } else if (v.isDouble()) {
+      o = py::float_(v.toDouble());
+    } else if (v.isNone()) {
+      o = py::none();
+    } else {
+      throw py::type_error("trainsan: facts field " + kv.key() + " is not a scalar");
+    }
+    out[py::str(kv.key())] = o;
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_trainsan_hot, m) {
@@ -62,6 +105,23 @@ PYBIND11_MODULE(_trainsan_hot, m) {
     return guarded(
         [&] { return tb::handle_step_end(handle(id), opt, lr_zero, extra_s, group_lr); });
   });
+  // Note [One orchestration]: the drivers.
+  m.def(
+      "measure_custom_grad",
+      [](const std::string& name, const trainsan::TensorFunction& fn,
+         const std::vector<at::Tensor>& inputs) {
+        return guarded([&] {
+          std::vector<trainsan::CustomGradResult> results;
+          {
+            const py::gil_scoped_release no_gil;
+            results = trainsan::measure_custom_grad_or_throw(name, fn, inputs);
+          }
+          py::list out;
+          for (const auto& r : results) out.append(to_py(trainsan::facts_to_dict(r)));
+          return out;
+        });
+      },
+      "trainsan::measure_custom_grad_or_throw: CustomGradResult dicts; fn's exceptions propagate");
   m.def("gradients_cleared", [](int64_t id, int64_t opt) {
     return guarded([&] { return tb::handle_gradients_cleared(handle(id), opt); });
   });

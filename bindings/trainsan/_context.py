@@ -37,7 +37,7 @@ ENTRIES = (
     "auto_loss",  # (loss): the root of a training backward (Note [Loss roots])
     "backward_without_graph",  # (): a backward whose roots have no graph (no_grad_leak)
     "check_save",  # (obj, f): a torch.save while attached (Note [Checkpoint checks])
-    "grad_leaf_ids",  # () -> ids of the leaves that stand for its parameters (FSDP2)
+    "walk_leaves",  # () -> the graph leaves that are its parameters (FSDP2: and their stand-ins)
     "rebuild",  # (): install everything anew for the current parameters (Note [Attach order])
 )
 

@@ -351,11 +351,11 @@ def _fsdp_sharded_ids(model: torch.nn.Module) -> set:
     return {id(fp.sharded_param) for fp in _fsdp_params(model)}
 
 
-def _fsdp_unsharded_ids(model: torch.nn.Module) -> set:
-    """ids of the unsharded parameters FSDP2 swaps in during forward and backward (those that
-    exist yet)."""
-    return {id(u) for fp in _fsdp_params(model) if (u := getattr(fp, "_unsharded_param", None))
-            is not None}
+def _fsdp_unsharded(model: torch.nn.Module) -> list:
+    """The unsharded parameters FSDP2 swaps in during forward and backward (those that exist
+    yet)."""
+    return [u for fp in _fsdp_params(model) if (u := getattr(fp, "_unsharded_param", None))
+            is not None]
 
 
 def _optimizers_holding_none(optimizers, params) -> list:

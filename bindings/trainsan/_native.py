@@ -63,6 +63,39 @@ _hot: list = []  # [module or None], once looked up
 hot_problem: Optional[str] = None  # why the module is not used (None: it is, or not looked up)
 
 
+_DRIVERS = ("measure_custom_grad",)
+_ext: list = []  # [(module or None, why not)], once looked up
+
+
+def _extension() -> tuple:
+    """(the _trainsan_hot module next to the loaded op library or None, why it is None)."""
+    if _ext:
+        return _ext[0]
+    import importlib.machinery
+    import importlib.util
+
+    mod, problem = None, None
+    where = Path(load()).resolve().parent
+    found = [where / f"_trainsan_hot{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [f for f in found if f.is_file()]
+    if not found:
+        problem = f"no _trainsan_hot module for this Python next to {where}"
+    else:
+        try:
+            spec = importlib.util.spec_from_file_location("_trainsan_hot", found[0])
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            missing = [n for n in _HOT_EVENTS + _DRIVERS if not hasattr(mod, n)]
+            if missing:
+                raise ImportError(f"it lacks {', '.join(missing)} (built from another "
+                                  f"TrainSan?)")
+        except Exception as exc:  # noqa: BLE001 - said by hot_problem / drivers_problem()
+            problem = f"{found[0]} did not load ({type(exc).__name__}: {exc})"
+            mod = None
+    _ext.append((mod, problem))
+    return _ext[0]
+
+
 def hot_module() -> Any:
     """The _trainsan_hot extension module next to the loaded op library, or None: not built for
     this Python, failed to load, or $TRAINSAN_HOT=0 (hot_problem says which)."""
@@ -73,28 +106,20 @@ def hot_module() -> Any:
     if os.environ.get("TRAINSAN_HOT", "1") == "0":
         hot_problem = "TRAINSAN_HOT=0"
     else:
-        import importlib.machinery
-        import importlib.util
-
-        where = Path(load()).resolve().parent
-        found = [where / f"_trainsan_hot{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
-        found = [f for f in found if f.is_file()]
-        if not found:
-            hot_problem = f"no _trainsan_hot module for this Python next to {where}"
-        else:
-            try:
-                spec = importlib.util.spec_from_file_location("_trainsan_hot", found[0])
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                missing = [n for n in _HOT_EVENTS if not hasattr(mod, n)]
-                if missing:
-                    raise ImportError(f"it lacks {', '.join(missing)} (built from another "
-                                      f"TrainSan?)")
-            except Exception as exc:  # noqa: BLE001 - the torch.classes methods serve instead
-                hot_problem = f"{found[0]} did not load ({type(exc).__name__}: {exc})"
-                mod = None
+        mod, hot_problem = _extension()
     _hot.append(mod)
     return mod
+
+
+def drivers() -> Any:
+    """The C++ drivers that run Python callables (Note [One orchestration], bindings/csrc/hot.cpp):
+    the _trainsan_hot module whatever $TRAINSAN_HOT says, or None (drivers_problem() says why);
+    the checks built on them are then off, with a note."""
+    return _extension()[0]
+
+
+def drivers_problem() -> Optional[str]:
+    return _extension()[1]
 
 
 class HotEvents:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from . import _compile, _patches
+from . import _compile, _native, _patches
 from ._gatherers import (CustomGrads, Gatherer, Held, Hooks, LabelWindow, ParamsLive, Provenances,
                          Replicas, Reruns, Resumes, RootlessForwards, SavedTensors)
 from ._hooks import _getstate_patch, _Hook, _weak_method
@@ -153,6 +153,11 @@ def _custom_grads(s: Setup) -> Optional[Gatherer]:
     """bad_custom_grad: each custom Function at its first use, then every gradcheck_every; under
     several processes only when gradcheck_every was asked for (CustomGradCheck)."""
     if not enabled("bad_custom_grad", s.checks):
+        return None
+    if _native.drivers() is None:
+        # Note [One orchestration] (bindings/csrc/hot.cpp): the measurement is C++ only.
+        s.ctx.note("check_off", "trainsan: bad_custom_grad is not checked: its measurement "
+                   f"runs in the _trainsan_hot module ({_native.drivers_problem()})")
         return None
     m = s.methods
     check = CustomGradCheck(s.handle, _weak_method(m["apply"]), _weak_method(m["add_py"]),

@@ -298,14 +298,13 @@ _zero_grad_patch = Patch("zero_grad", ("attach",),
 # The walk also runs with one such sanitizer: a root that reaches none of its parameters (an
 # unattached probe model, a fine-tuned copy) is not its loss. The leaves the graph reaches are
 # the attached parameters, or, under FSDP2, the unsharded parameters FSDP swaps in for them
-# (Sanitizer._grad_leaf_ids). torch.autograd.grad roots are not followed. A root walked to its end
+# (Sanitizer._walk_leaves). torch.autograd.grad roots are not followed. A root walked to its end
 # that reached none of a sanitizer's parameters but other requires-grad leaves is a foreign
 # backward to it (Note [Foreign backwards], _foreign.py).
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
 # Called by the backward wrapper after the open sanitizers saw the backward: each returns the
 # sanitizers it attached just now (the launcher's Pairer._before_backward), which see it then.
 before_backward: list = []
-_WALK_LIMIT = 20000
 
 
 def _loss_owners(root: torch.Tensor) -> list:
@@ -319,32 +318,24 @@ def _loss_owners(root: torch.Tensor) -> list:
     if not targets:
         return []
     if len(targets) == 1 and cands and not cands[0].fsdp_ids:
-        # One sanitizer to attribute to, holding its own parameters: the walk in C++ (the same
-        # walk, without a Python object per node); a root that does not reach them is walked
-        # again below, for the foreign-backward facts.
+        # One sanitizer to attribute to, holding its own parameters: its handle walks (the same
+        # walk, with the parameters it holds); a root that does not reach them is walked again
+        # below, for the foreign-backward facts.
         try:
             if cands[0].hot.loss_reaches(root) == 1:
                 return cands
-        except Exception:  # noqa: BLE001 - the Python walk below decides
+        except Exception:  # noqa: BLE001 - the walk below decides
             pass
-    found: dict = {}
-    leaves = {s: s.grad_leaf_ids() for s in targets}  # looked up once a walk, not once a node
-    reached: list = []  # the requires-grad leaves reached (none of them a missed target's)
-    seen, stack, budget = set(), [root.grad_fn], _WALK_LIMIT
-    while stack and budget > 0 and len(found) < len(targets):
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        budget -= 1
-        var = getattr(node, "variable", None)
-        if isinstance(var, torch.Tensor):
-            reached.append(var)
-            for s in targets:
-                if id(var) in s.param_ids or id(var) in leaves[s]:
-                    found.setdefault(s, True)
-        stack.extend(fn for fn, _ in node.next_functions)
-    if not stack and reached:  # walked to its end
+    # The walk is C++'s (walk_loss_graph, trainsan/loss_walk.h): each target's leaves by identity.
+    flat, sizes = [], []
+    for s in targets:
+        own = s.walk_leaves()
+        flat.extend(own)
+        sizes.append(len(own))
+    reaches, reached, complete, out_of_budget = torch.ops.trainsan.walk_loss_graph(
+        root, flat, sizes)
+    found = [s for s, r in zip(targets, reaches) if r]
+    if complete and reached:  # walked to its end
         missed = [s for s in targets if s not in found and s.optimizers]
         if missed:
             _foreign.report(missed, reached, _step_counts)
@@ -352,7 +343,7 @@ def _loss_owners(root: torch.Tensor) -> list:
     if not owners:
         # Walked out of budget: with one candidate, it (as before); a graph walked to its end that
         # reaches none of the attached parameters is another model's loss (a probe, a copy).
-        return cands if budget <= 0 and len(cands) == 1 else []
+        return cands if out_of_budget and len(cands) == 1 else []
     return [min(owners, key=lambda s: s.last_train_forward)]
 
 

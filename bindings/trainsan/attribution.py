@@ -31,7 +31,8 @@ from . import _native
 from ._facts import _flat_tensors, _local
 from ._findings import TrainingBugWarning
 from ._gatherers import Gatherer
-from .determinism import _distributed, _rng, _set_rng
+from ._rerun import ForwardRecord, started_from
+from .determinism import _distributed
 from .precision import _float_tensors
 from .replicas import fingerprints
 from .report import earlier_part
@@ -62,32 +63,6 @@ def batch_fingerprint(batch: Any) -> tuple[str, list[str]]:
     return _hex(h), [_hex(x) for x in hashes]
 
 
-class _Forward:
-    """What a re-run of one training forward needs."""
-
-    __slots__ = ("args", "kwargs", "rng", "buffers", "amp", "outputs", "cotangents", "forwards",
-                 "stepped")
-
-    def __init__(self, args, kwargs, rng, buffers, amp, forwards):
-        self.args, self.kwargs, self.rng, self.buffers = args, kwargs, rng, buffers
-        self.amp = amp  # [(device type, dtype)] of the autocast regions the forward ran in
-        self.outputs: Optional[list] = None  # the forward's floating outputs (detached)
-        self.cotangents: dict = {}  # index in outputs -> the gradient that reached it
-        self.forwards = forwards  # training forwards of this step so far
-        self.stepped = False  # an optimizer step updated the parameters since
-
-
-def _autocast() -> list:
-    out = []
-    for dev in ("cuda", "cpu"):
-        try:
-            if torch.is_autocast_enabled(dev):
-                out.append((dev, torch.get_autocast_dtype(dev)))
-        except Exception:  # noqa: BLE001 - a device type this torch does not know
-            pass
-    return out
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal within a relative 1e-4 (a GPU's non-deterministic reductions), NaN/Inf alike."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
@@ -105,8 +80,8 @@ class Attribution(Gatherer):
     def __init__(self, san, model: torch.nn.Module) -> None:
         self._ref = weakref.ref(san)
         self._model = model
-        self._steps: dict = {}  # step -> _Forward: the step's last training forward
-        self._current: Optional[_Forward] = None  # awaiting its outputs
+        self._steps: dict = {}  # step -> ForwardRecord: the step's last training forward
+        self._current: Optional[ForwardRecord] = None  # awaiting its outputs
         self._running = False
         self._hook = model.register_forward_hook(self._outputs)
 
@@ -118,8 +93,8 @@ class Attribution(Gatherer):
             return
         step = int(san.handle.step())
         prev = self._steps.get(step)
-        bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
-        rec = _Forward(args, kwargs, _rng(), bufs, _autocast(), prev.forwards + 1 if prev else 1)
+        # Note [One re-run recorder] (_rerun.py)
+        rec = ForwardRecord(self._model, args, kwargs, prev.forwards + 1 if prev else 1)
         self._steps[step] = rec
         for s in [s for s in self._steps if s < step - 1]:
             del self._steps[s]
@@ -129,11 +104,7 @@ class Attribution(Gatherer):
         rec, self._current = self._current, None
         if rec is None or self._running:
             return
-        outs = _float_tensors(out, [])
-        rec.outputs = [t.detach() for t in outs]
-        for i, t in enumerate(outs):
-            if t.requires_grad:
-                t.register_hook(lambda g, _i=i: rec.cotangents.__setitem__(_i, g.detach()))
+        rec.watch_outputs(out, keep=True)
 
     def after_step(self, k: int, skipped: bool) -> None:
         if not skipped:
@@ -191,54 +162,42 @@ class Attribution(Gatherer):
             o["error"] = f"{type(exc).__name__}: {first}"[:300]
         return _native.facts("RerunOutcome", **o)
 
-    def _run(self, rec: _Forward, grads: bool) -> dict:
+    def _run(self, rec: ForwardRecord, grads: bool) -> dict:
         san, model = self._ref(), self._model
         o: dict = {}
         if rec.stepped:
             o["params_nonfinite"] = _nonfinite([_local(p).detach() for p in model.parameters()
                                                 if p.is_floating_point()])
-        now_rng = _rng()
-        # The buffers are swapped for copies of the step's starting values, and the model's own
-        # put back afterwards untouched: an in-place write to them (even one restoring their
-        # values) would move the version counters the step's backward, still to come, checks.
-        swapped = []
-        for prefix, m in model.named_modules():
-            for n, b in list(m._buffers.items()):
-                key = f"{prefix}.{n}" if prefix else n
-                if b is not None and key in rec.buffers:
-                    swapped.append((m, n, b))
-                    m._buffers[n] = rec.buffers[key].clone()
         closed, san.closed = san.closed, True  # the sanitizer's hooks look away
         san.handle.pause_audit(True)
         self._running = True
         try:
-            _set_rng(rec.rng)
-            with contextlib.ExitStack() as stack:
-                for dev, dtype in rec.amp:
-                    stack.enter_context(torch.autocast(dev, dtype=dtype))
-                stack.enter_context(torch.enable_grad() if grads else torch.no_grad())
-                out = model(*rec.args, **rec.kwargs)
-            outs = _float_tensors(out, [])
-            o["outputs_nonfinite"] = _nonfinite([t.detach() for t in outs])
-            if rec.outputs is not None:
-                o["outputs_compared"] = True
-                o["step_outputs_nonfinite"] = _nonfinite(rec.outputs)
-                o["outputs_match"] = len(outs) == len(rec.outputs) and all(
-                    _same(a.detach(), b) for a, b in zip(outs, rec.outputs))
-            if grads and rec.cotangents and rec.forwards == 1:
-                live = [t for t in outs if t.requires_grad]
-                pairs = [(live[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(live)]
-                params = [p for p in model.parameters() if p.requires_grad]
-                if pairs and params:
-                    gs = torch.autograd.grad([a for a, _ in pairs], params,
-                                             [g for _, g in pairs], allow_unused=True)
-                    o["grads_rerun"] = True
-                    o["grads_nonfinite"] = _nonfinite([g for g in gs if g is not None])
+            # The step's starting buffers and RNG state (Note [One re-run recorder], _rerun.py).
+            with started_from(model, rec):
+                with contextlib.ExitStack() as stack:
+                    for dev, dtype in rec.amp:
+                        stack.enter_context(torch.autocast(dev, dtype=dtype))
+                    stack.enter_context(torch.enable_grad() if grads else torch.no_grad())
+                    out = model(*rec.args, **rec.kwargs)
+                outs = _float_tensors(out, [])
+                o["outputs_nonfinite"] = _nonfinite([t.detach() for t in outs])
+                if rec.outputs is not None:
+                    o["outputs_compared"] = True
+                    o["step_outputs_nonfinite"] = _nonfinite(rec.outputs)
+                    o["outputs_match"] = len(outs) == len(rec.outputs) and all(
+                        _same(a.detach(), b) for a, b in zip(outs, rec.outputs))
+                if grads and rec.cotangents and rec.forwards == 1:
+                    live = [t for t in outs if t.requires_grad]
+                    pairs = [(live[i], g) for i, g in sorted(rec.cotangents.items())
+                             if i < len(live)]
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    if pairs and params:
+                        gs = torch.autograd.grad([a for a, _ in pairs], params,
+                                                 [g for _, g in pairs], allow_unused=True)
+                        o["grads_rerun"] = True
+                        o["grads_nonfinite"] = _nonfinite([g for g in gs if g is not None])
         finally:
             self._running = False
-            for m, n, b in swapped:
-                m._buffers[n] = b
-            _set_rng(now_rng)
             san.handle.pause_audit(False)
             san.closed = closed
         return o

@@ -25,7 +25,6 @@ gathers facts on sampled steps and hands them to the sanitizer's handle.
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -383,7 +382,7 @@ def _check_function(orig_fn, cls, inputs, kwargs, handle) -> list:
         with torch.random.fork_rng(devices=devices):
             for base in candidates:
                 try:
-                    return _directional_check(orig_fn, cls, base, diff, kwargs, devices)
+                    return _directional_check(orig_fn, cls, base, diff, kwargs)
                 except Exception:
                     continue  # cannot run on these copies: the next candidate
     except Exception:
@@ -394,81 +393,26 @@ def _check_function(orig_fn, cls, inputs, kwargs, handle) -> list:
     return []
 
 
-def _directional_check(orig_fn, cls, base, diff, kwargs, devices) -> list:
-    """Per differentiable input: CustomGradResult by name (autograd_facts.h), but its function. The
-    evaluations are Python's (the Function is a Python object); ε, the surrogate masks and the
-    figures come from the C++ measurement's own directional_eps, surrogate_masks and
-    directional_figures (host/custom_grad.cpp), which trainsan::check_custom_grad runs for LibTorch
-    functions. Raises when the Function cannot run on these copies."""
+def _directional_check(orig_fn, cls, base, diff, kwargs) -> list:
+    """Per differentiable input: CustomGradResult by name (autograd_facts.h) as the C++
+    measurement trainsan::measure_custom_grad (host/custom_grad.cpp) computes it, run on the
+    Function through _trainsan_hot (Note [One orchestration], bindings/csrc/hot.cpp); its
+    input_index is the position in the Function's arguments. It seeds and restores the RNG
+    generators of the copies' devices (the CPU's, and CUDA's for copies on a GPU). Raises when the
+    Function cannot run on these copies."""
     name = f"{cls.__module__}.{cls.__qualname__}"
-    seed = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    gen = torch.Generator().manual_seed(seed)
-    # Only the generators fork_rng restores (torch.manual_seed would reseed every CUDA device).
-    torch.random.default_generator.manual_seed(seed)
-    for d in devices:
-        torch.cuda.default_generators[d].manual_seed(seed)
-    cpu_state = torch.get_rng_state()
-    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+    at = [k for k, a in enumerate(base) if isinstance(a, torch.Tensor)]
+    # The measurement's differentiable inputs are those that require grad (copies: ours to mark).
+    tensors = [base[k].requires_grad_() if k in diff else base[k] for k in at]
 
-    def run(xs, grad: bool):
-        # One random draw for every evaluation: the same generator states each time.
-        torch.set_rng_state(cpu_state)
-        for d, st in zip(devices, cuda_states):
-            torch.cuda.set_rng_state(st, d)
-        with torch.set_grad_enabled(grad):
-            return _float_outputs(orig_fn(cls, *xs, **kwargs))
+    def fn(xs: list) -> list:
+        args = list(base)
+        for k, x in zip(at, xs):
+            args[k] = x
+        return _float_outputs(orig_fn(cls, *args, **kwargs))
 
-    leaves = {k: base[k].clone().requires_grad_() for k in diff}
-    xs = [leaves[k].clone() if k in leaves else a for k, a in enumerate(base)]
-    outs = run(xs, True)
-    keep = [j for j, o in enumerate(outs) if o.requires_grad and o.is_floating_point()]
-    if not keep:
-        return []
-    douts = [outs[j] for j in keep]
-    us = [torch.randn(o.shape, dtype=o.dtype, generator=gen).to(o.device) for o in douts]
-    # The graph is kept for the backwards of the judged and surrogate parts (below).
-    grads = torch.autograd.grad(
-        douts, [leaves[k] for k in diff], us, retain_graph=True, allow_unused=True,
-        materialize_grads=True,
-    )
-
-    def backward(k: int, w: list) -> torch.Tensor:
-        return torch.autograd.grad(
-            douts, [leaves[k]], w, retain_graph=True, allow_unused=True, materialize_grads=True
-        )[0]
-
-    results = []
-    with torch.no_grad():
-        y0 = run(base, False)
-        y0 = [y0[j] for j in keep]
-        for a, b in zip(y0, douts):
-            if a.shape != b.shape or not torch.equal(a, b.detach()):
-                return []  # not deterministic under one seed: nothing to compare
-        low = any(o.dtype != torch.float64 for o in y0)
-        us = [u.to(o.dtype) for u, o in zip(us, y0)]
-        for i, k in enumerate(diff):
-            x = base[k]
-            v = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
-            eps = _ops.directional_eps(x, low)
-            plus = list(base)
-            plus[k] = x + eps * v
-            minus = list(base)
-            minus[k] = x - eps * v
-            yp, ym = run(plus, False), run(minus, False)
-            yp, ym = [yp[j] for j in keep], [ym[j] for j in keep]
-            # Note [Surrogate gradients] (host/checks/autograd.cpp): judged apart
-            masks = _ops.surrogate_masks(plus[k], minus[k], yp, ym)
-            if any(bool(m.any()) for m in masks):
-                judged = [u.masked_fill(m, 0) for u, m in zip(us, masks)]
-                rest = [u.masked_fill(~m, 0) for u, m in zip(us, masks)]
-                figures = _ops.directional_figures(
-                    judged, v, y0, yp, ym, backward(k, judged), eps, rest, backward(k, rest)
-                )
-            else:
-                # CustomGradResult's figures by name
-                figures = _ops.directional_figures(us, v, y0, yp, ym, grads[i], eps, [], None)
-            results.append(dict(figures, input_index=k))
-    return results
+    results = _native.drivers().measure_custom_grad(name, fn, tensors)
+    return [dict(r, input_index=at[r["input_index"]]) for r in results]
 
 
 class CustomGradCheck:

@@ -1,8 +1,9 @@
 """nondeterminism: the re-runs of Note [Re-run determinism] (host/checks/determinism.cpp).
 
 On a step the sanitizer samples (rerun_every), the training forward records what it started
-from — its inputs, the RNG states, a copy of the model's buffers — and the fingerprint of every
-module output, and the model's output gradients are captured in the backward. Before the
+from — its inputs, the RNG states, a copy of the model's buffers (Note [One re-run recorder],
+_rerun.py) — and the fingerprint of every module output, and the model's output gradients are
+captured in the backward. Before the
 optimizer step the forward and backward are re-run twice from that state
 (torch.autograd.grad: .grad is never touched), the fingerprints compared, and the buffers and RNG
 put back as the step left them. Where the fingerprints first differ is decided in C++
@@ -19,6 +20,7 @@ import torch
 from . import _native
 from ._hooks import DUE_RERUN
 from ._facts import _local
+from ._rerun import ForwardRecord, started_from
 from .precision import _float_tensors
 from .replicas import fingerprints
 
@@ -27,34 +29,13 @@ def _hashes(tensors: list) -> tuple:
     return tuple(fingerprints([_local(t).detach() for t in tensors]))
 
 
-def _rng() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
-        torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-class _Recorded:
-    def __init__(self, args, kwargs, rng, buffers):
-        self.args, self.kwargs, self.rng, self.buffers = args, kwargs, rng, buffers
-        self.modules: list = []  # (name, type, hashes) of the step's own forward, in order
-        self.outputs: list = []  # the model's floating outputs that need a gradient
-        self.cotangents: dict = {}  # index in outputs -> the gradient that reached it
-
-
 class Rerun:
     """The nondeterminism check of one sanitizer."""
 
     def __init__(self, san, model: torch.nn.Module):
         self._ref = weakref.ref(san)
         self._model = model
-        self._rec: Optional[_Recorded] = None
+        self._rec: Optional[ForwardRecord] = None
         self._hooks: list = []
         self._forwards = 0  # training forwards since the last step
         self.disabled = False  # a compiled or distributed model
@@ -73,21 +54,14 @@ class Rerun:
             return
         if san is None or self.disabled or not san.due(DUE_RERUN) or _distributed():
             return
-        bufs = {n: b.detach().clone() for n, b in self._model.named_buffers()}
-        rec = _Recorded(args, kwargs, _rng(), bufs)
+        rec = ForwardRecord(self._model, args, kwargs)  # Note [One re-run recorder]
         self._rec = rec
         for name, m in self._model.named_modules():
             self._hooks.append(m.register_forward_hook(
                 lambda mod, a, out, _n=name: rec.modules.append(
                     (_n, type(mod).__name__, _hashes(_float_tensors(out, []))))))
         self._hooks.append(self._model.register_forward_hook(
-            lambda mod, a, out: self._outputs(rec, out)))
-
-    def _outputs(self, rec: _Recorded, out: Any) -> None:
-        for i, t in enumerate(_float_tensors(out, [])):
-            if t.requires_grad:
-                rec.outputs.append(t)
-                t.register_hook(lambda g, _i=i: rec.cotangents.__setitem__(_i, g.detach()))
+            lambda mod, a, out: rec.watch_outputs(out, keep=False)))
 
     def before_step(self) -> None:
         """Before the optimizer step: the re-runs, where this step was sampled."""
@@ -103,28 +77,21 @@ class Rerun:
         if facts is not None:
             san.apply(san.handle.rerun_result(_native.fields(facts)))
 
-    def _run(self, rec: _Recorded) -> tuple:
+    def _run(self, rec: ForwardRecord) -> tuple:
         model = self._model
-        now_rng = _rng()
-        after = {n: b.detach().clone() for n, b in model.named_buffers()}
         mods: list = []
         hooks = [m.register_forward_hook(
             lambda mod, a, out, _n=name: mods.append(
                 (_n, type(mod).__name__, _hashes(_float_tensors(out, [])))))
             for name, m in model.named_modules()]
         try:
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in rec.buffers:
-                        b.copy_(rec.buffers[n])
-            _set_rng(rec.rng)
-            with torch.enable_grad():
+            with started_from(model, rec), torch.enable_grad():
                 out = model(*rec.args, **rec.kwargs)
-            outs = [t for t in _float_tensors(out, []) if t.requires_grad]
-            pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            grads = torch.autograd.grad([o for o, _ in pairs], [p for _, p in named],
-                                        [g for _, g in pairs], allow_unused=True)
+                outs = [t for t in _float_tensors(out, []) if t.requires_grad]
+                pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
+                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                grads = torch.autograd.grad([o for o, _ in pairs], [p for _, p in named],
+                                            [g for _, g in pairs], allow_unused=True)
             order = list(range(len(named)))[::-1]  # backward order: the output's side first
             gl = [(named[i][0], grads[i]) for i in order if grads[i] is not None]
             ghash = dict(zip([n for n, _ in gl], _hashes([g for _, g in gl])))
@@ -132,11 +99,6 @@ class Rerun:
         finally:
             for h in hooks:
                 h.remove()
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in after:
-                        b.copy_(after[n])
-            _set_rng(now_rng)
         return mods, gnames, ghash
 
 
@@ -148,7 +110,7 @@ def _fingerprints(mods: list, gnames: list = (), ghash: Optional[dict] = None):
         [h for m in mods for h in m[2]], list(gnames), [ghash[n] for n in gnames])
 
 
-def _compare(rec: _Recorded, a: tuple, b: tuple) -> Optional[dict]:
+def _compare(rec: ForwardRecord, a: tuple, b: tuple) -> Optional[dict]:
     """The first difference (RerunFacts by name: where, tensor, type, position, checked), or
     None: the C++ comparison (trainsan::compare_reruns, host/checks/determinism.cpp)."""
     return torch.ops.trainsan.compare_reruns(_fingerprints(rec.modules), _fingerprints(*a),

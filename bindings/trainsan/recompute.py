@@ -25,7 +25,7 @@ import torch.utils.checkpoint as _tuc
 from . import _native
 from ._hooks import DUE_RECOMPUTE
 from ._facts import _local
-from .determinism import _rng
+from ._rerun import rng as _rng
 from .precision import _float_tensors
 from ._registry import Patch
 from .replicas import _HASH_COL

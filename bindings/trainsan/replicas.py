@@ -41,6 +41,21 @@ found at different steps (their sequences no longer pair up).
 
 The comparison before the first step (the weights the replicas start from) is the one blocking
 collective: at the first optimizer step, after the backward, before the update.
+
+The row (trainsan::replica_row) and the verdict (judge_replica_payload, replica_labels) are the
+C++ ones that trainsan::compare_replicas (host/replicas_pg.cpp, Note [Replica comparison over
+c10d]) uses. The schedule of collectives around them — launch, wait, read at the next event,
+report missing ranks — is still written twice, here and in PgReplicaDriver, because the C++
+driver does less than this one and a Python call into it would lose findings: it compares one set
+(every parameter over the caller's group; no DTensor placements, no replica sets), no optimizer
+state, starts at compare_replicas() rather than at the first step, learns nothing of ranks that
+closed early (every other rank is reported missing: this side reads the store's closed/late keys)
+and gathers rows with an all-gather on the group (this side through the store, which a rank whose
+sequence shifted cannot mismatch). The plan: a public per-set engine in C++ (members, digest,
+group, timeout; launch/drain/judge; the missing-rank and row-exchange steps as callables, the
+c10d ones by default), which PgReplicaDriver and this module both drive — from here through
+_trainsan_hot, which can take the side group as a c10d::ProcessGroup (torch's pybind11 caster)
+and the store steps as Python callables (Note [One orchestration], bindings/csrc/hot.cpp).
 """
 
 from __future__ import annotations
@@ -62,13 +77,9 @@ from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
 _MASK = (1 << 64) - 1
-# The row of a comparison: trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]). The
-# C++ comparison over a c10d process group builds the same row with trainsan::replica_row
-# (host/checks/replicas.cpp); _row below must stay in step with it.
-_H = 6  # header fields: digest, optimizer, event count, step, skipped, training forwards
-_SLOT = 6  # per parameter: weight (present, hash), gradient (present, hash), state (present, hash)
-_BSLOT = 2  # per buffer: (present, hash)
-_STEP, _SKIPPED, _FORWARDS = 3, 4, 5  # header fields the reports quote per rank
+# The row of a comparison is trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]), built
+# by trainsan::replica_row (_row below); these are the header fields the reports quote per rank.
+_STEP, _SKIPPED, _FORWARDS = 3, 4, 5
 # ReplicaVerdict::Outcome
 _AGREE, _NOT_REPLICAS, _OUT_OF_STEP, _SKIPS_DIFFER, _TENSORS_DIFFER = range(5)
 _MISSING_GRACE_S = 5.0
@@ -153,9 +164,6 @@ class _Set:
         self.in_flight: list = []  # (work, payload, row, event, sequence number), oldest first
         self.known: set = set()  # (what, tensor) already reported
         self.dead = False
-
-    def width(self) -> int:
-        return _H + _SLOT * len(self.members) + _BSLOT * len(self.buffers)
 
 
 class _Event:
@@ -392,23 +400,17 @@ class ReplicaComparison:
         return out
 
     def _row(self, s: _Set, ev: _Event) -> torch.Tensor:
-        row = [0] * s.width()
-        row[:_H] = [s.digest, ev.opt, ev.count, ev.step, int(ev.skipped), ev.forwards]
-        for j, i in enumerate(s.members):
-            b = _H + _SLOT * j
-            got = ev.fp.get(i)
-            if got is not None:
-                h, has_g, g = got
-                row[b], row[b + 1] = 1, h
-                if has_g and ev.grad_ok is not None and i in ev.grad_ok:
-                    row[b + 2], row[b + 3] = 1, g
-            if ev.state and i in ev.state:
-                row[b + 4], row[b + 5] = 1, _signed(ev.state[i])
-        if ev.buffers and id(s) in ev.buffers:
-            b0 = _H + _SLOT * len(s.members)
-            for j, h in enumerate(ev.buffers[id(s)]):
-                row[b0 + _BSLOT * j], row[b0 + _BSLOT * j + 1] = 1, h
-        return torch.tensor(row, dtype=torch.int64)
+        """This rank's row of set `s` at event `ev`: trainsan::replica_row (Note [Replica
+        payload]), the row the C++ comparison over c10d builds too."""
+        fp = ev.fp
+        state = ev.state or {}
+        buffers = ev.buffers.get(id(s), []) if ev.buffers else []
+        return torch.ops.trainsan.replica_row(
+            [s.digest, ev.opt, ev.count, ev.step, int(ev.skipped), ev.forwards],
+            list(fp), [v[0] for v in fp.values()], [v[2] for v in fp.values()],
+            [int(v[1]) for v in fp.values()], sorted(ev.grad_ok or ()),
+            list(state), [_signed(h) for h in state.values()], buffers, s.members,
+            len(s.buffers))
 
     def _launch(self, s: _Set, ev: _Event) -> None:
         row = self._row(s, ev)

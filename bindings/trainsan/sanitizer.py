@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _compile, _patches
-from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded_ids, _group_lrs,
+from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded, _group_lrs,
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
                      outside_model)
@@ -54,7 +54,6 @@ __all__ = [
     "Options",
 ]
 
-_NO_IDS: frozenset = frozenset()
 
 class Sanitizer:
     """A sanitizer attached to one model (and its optimizers). Create it with :func:`attach`."""
@@ -75,7 +74,7 @@ class Sanitizer:
             on_fault=self._on_fault, on_forward=self._on_forward, begin_step=self._begin_step,
             scaler_step=self._scaler_step, gradients_cleared=self._gradients_cleared,
             auto_loss=self._auto_loss, backward_without_graph=self._backward_without_graph,
-            check_save=self._check_save, grad_leaf_ids=self._grad_leaf_ids,
+            check_save=self._check_save, walk_leaves=self._walk_leaves,
             rebuild=self._build)
         self._trace_path = trace
         self._checks = checks
@@ -123,7 +122,7 @@ class Sanitizer:
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
         self._ctx.fsdp_ids = fsdp_ids
-        self._unsharded_ids: Optional[set] = None
+        self._unsharded: Optional[list] = None
         external = [int(id(p) in fsdp_ids) for p in params]
         locals_ = [_local(p) for p in params]
         index = {}
@@ -374,15 +373,16 @@ class Sanitizer:
                 self._headroom_at[k] = headroom
             self._apply(reports)
 
-    def _grad_leaf_ids(self) -> set:
-        """ids of the leaves the autograd graph holds for this model's parameters besides the
-        parameters themselves: FSDP2's unsharded parameters (created at its lazy init, so looked
-        up when asked; Note [Loss roots])."""
+    def _walk_leaves(self) -> list:
+        """The leaves of an autograd graph that are this model's (Note [Loss roots]): its
+        parameters and, under FSDP2, the unsharded parameters it swaps in for them (created at its
+        lazy init, so looked up when asked)."""
+        own = [p for _, p in self._tracked]
         if not self._ctx.fsdp_ids:
-            return _NO_IDS
-        if self._unsharded_ids is None or len(self._unsharded_ids) < len(self._ctx.fsdp_ids):
-            self._unsharded_ids = _fsdp_unsharded_ids(self._ctx.model)
-        return self._unsharded_ids
+            return own
+        if self._unsharded is None or len(self._unsharded) < len(self._ctx.fsdp_ids):
+            self._unsharded = _fsdp_unsharded(self._ctx.model)
+        return own + self._unsharded
 
     @entry
     def _post_step(self, k: int, opt, args, kwargs):

@@ -6,6 +6,8 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "checks/check.h"
 
@@ -317,25 +319,28 @@ std::vector<int64_t> replica_row(const ReplicaRowFacts& facts, const std::vector
   row[R::kSkipped] = facts.skipped ? 1 : 0;
   row[R::kForwards] = facts.forwards;
   const StepFingerprints& fp = facts.fingerprints;
-  auto find = [](const auto& v, int64_t i) { return std::find(v.begin(), v.end(), i); };
+  // Looked up by parameter index (the first entry of an index wins), not scanned per member: a
+  // row is built per step event, of every parameter.
+  std::unordered_map<int64_t, size_t> at_index, at_state;
+  for (size_t k = fp.index.size(); k-- > 0;) at_index[fp.index[k]] = k;
+  for (size_t k = facts.state.size(); k-- > 0;) at_state[facts.state[k].first] = k;
+  const std::unordered_set<int64_t> grads(facts.grads.begin(), facts.grads.end());
   for (size_t j = 0; j < members.size(); ++j) {
     const size_t b = static_cast<size_t>(R::kHeader + R::kSlot * static_cast<int64_t>(j));
-    const auto at = find(fp.index, members[j]);
-    if (at != fp.index.end()) {
-      const auto k = static_cast<size_t>(at - fp.index.begin());
+    const auto at = at_index.find(members[j]);
+    if (at != at_index.end()) {
+      const size_t k = at->second;
       row[b] = 1;
       row[b + 1] = fp.param[k];
-      if (k < fp.has_grad.size() && fp.has_grad[k] &&
-          find(facts.grads, members[j]) != facts.grads.end()) {
+      if (k < fp.has_grad.size() && fp.has_grad[k] && grads.count(members[j]) > 0) {
         row[b + 2] = 1;
         row[b + 3] = fp.grad[k];
       }
     }
-    const auto st = std::find_if(facts.state.begin(), facts.state.end(),
-                                 [&](const auto& p) { return p.first == members[j]; });
-    if (st != facts.state.end()) {
+    const auto st = at_state.find(members[j]);
+    if (st != at_state.end()) {
       row[b + 4] = 1;
-      row[b + 5] = st->second;
+      row[b + 5] = facts.state[st->second].second;
     }
   }
   const size_t b0 =

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -165,6 +166,44 @@ TEST(LibTorchKinds, LossReachesSaysWhoseGraphALossIs) {
   san.close();
   EXPECT_EQ(san.loss_reaches(net.forward(x).sum()), -1);
 }
+// trainsan::walk_loss_graph (the walk of loss_reaches and of the Python package's Note [Loss
+// roots]) with several targets: which are reached, the leaves it passed, when it stops.
+TEST(LibTorchKinds, LossWalkTellsWhichTargetsAGraphReaches) {
+  torch::manual_seed(0);
+  Net a;
+  Net b;
+  Net c;
+  auto impls = [](Net& n) {
+    std::vector<const void*> out;
+    for (const auto& p : n.parameters()) out.push_back(p.unsafeGetTensorImpl());
+    std::sort(out.begin(), out.end(), std::less<const void*>());
+    return out;
+  };
+  const auto ta = impls(a), tb = impls(b), tc = impls(c);
+  const auto x = batch(0);
+  const at::Tensor loss = (a.forward(x) * b.forward(x)).sum();
+  trainsan::LossWalk w = trainsan::walk_loss_graph(loss, {&ta, &tb, &tc}, /*keep_leaves=*/true);
+  EXPECT_EQ(w.reaches, (std::vector<bool>{true, true, false}));
+  EXPECT_TRUE(w.complete);  // c is never reached: walked to its end
+  EXPECT_FALSE(w.out_of_budget);
+  const int64_t n = static_cast<int64_t>(a.parameters().size() + b.parameters().size());
+  EXPECT_EQ(w.leaf_count, n);
+  EXPECT_EQ(static_cast<int64_t>(w.leaves.size()), n);
+  // Every target reached: it stops there, not walked to its end.
+  w = trainsan::walk_loss_graph(loss, {&ta}, /*keep_leaves=*/false);
+  EXPECT_EQ(w.reaches, std::vector<bool>{true});
+  EXPECT_TRUE(w.leaves.empty());
+  // Out of budget: neither complete nor a verdict.
+  w = trainsan::walk_loss_graph(loss, {&tc}, /*keep_leaves=*/false, /*limit=*/2);
+  EXPECT_EQ(w.reaches, std::vector<bool>{false});
+  EXPECT_FALSE(w.complete);
+  EXPECT_TRUE(w.out_of_budget);
+  // No graph: nothing reached, not complete.
+  w = trainsan::walk_loss_graph(torch::ones({1}), {&ta}, /*keep_leaves=*/true);
+  EXPECT_EQ(w.reaches, std::vector<bool>{false});
+  EXPECT_FALSE(w.complete);
+}
+
 TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
   std::set<std::string> reached = {"rank_desync"};  // tests/cpp/test_replicas_pg.cpp
   auto expect = [&](const std::string& kind, const std::set<std::string>& found) {

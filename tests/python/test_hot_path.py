@@ -128,3 +128,27 @@ def test_a_released_handle_is_an_error_not_a_crash():
         pytest.skip(f"no _trainsan_hot ({_native.hot_problem})")
     with pytest.raises(Exception, match="is gone"):
         mod.step_begin(10**12, 0, True)
+
+
+# Note [One orchestration] (bindings/csrc/hot.cpp): the drivers that run Python callables are in
+# the module whatever TRAINSAN_HOT says; without the module, the checks built on them are off and
+# a note says so (no second implementation in Python).
+def test_the_drivers_do_not_follow_trainsan_hot(monkeypatch):
+    if _native.drivers() is None:
+        pytest.skip(f"no _trainsan_hot ({_native.drivers_problem()})")
+    monkeypatch.setattr(_native, "_hot", [None])
+    assert _native.hot_module() is None
+    assert _native.drivers() is not None
+
+
+def test_without_the_module_bad_custom_grad_is_off_with_a_note(monkeypatch):
+    monkeypatch.setattr(_native, "_ext", [(None, "not built (test)")])
+    monkeypatch.setattr(_native, "_hot", [None])
+    m = nn.Linear(3, 1)
+    san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        notes = san.coverage().get("notes", [])
+        assert any("bad_custom_grad is not checked" in n and "not built (test)" in n
+                   for n in notes), notes
+    finally:
+        san.close()

@@ -33,6 +33,13 @@ using TensorFunction = std::function<std::vector<at::Tensor>(const std::vector<a
 std::vector<CustomGradResult> measure_custom_grad(const std::string& name, const TensorFunction& fn,
                                                   const std::vector<at::Tensor>& inputs);
 
+/// measure_custom_grad, but an exception thrown by `fn` (or by an operation on its outputs)
+/// propagates instead of meaning "no result": the Python package then tries other copies of the
+/// inputs (Note [First-use gradcheck inputs], bindings/trainsan/autograd_checks.py).
+std::vector<CustomGradResult> measure_custom_grad_or_throw(const std::string& name,
+                                                           const TensorFunction& fn,
+                                                           const std::vector<at::Tensor>& inputs);
+
 /// bad_custom_grad outside a sanitizer: measure_custom_grad judged by the sanitizer's rule; one
 /// finding per input whose backward disagrees (messages prefixed "bad_custom_grad: ", step 0).
 std::vector<Finding> check_custom_grad(const std::string& name, const TensorFunction& fn,

@@ -10,6 +10,7 @@
 #include "trainsan/facts_dict.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
+#include "trainsan/loss_walk.h"
 #include "trainsan/options.h"
 #include "trainsan/sanitizer.h"
 #include "trainsan/stats.h"
