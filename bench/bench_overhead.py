@@ -32,6 +32,12 @@ attaches nothing, so that the import's own cost shows apart. ``--no-timing`` ski
 phase.
 
     python3 bench/bench_overhead.py --models mlp67m --memory --no-timing --memory-steps 20
+
+``--contenders SET`` runs one of the per-feature contender sets of bench/contenders.py instead
+(``audit``, ``desync``, ``precision``, ``headroom``, ``rerun``): what one feature costs on these
+models against TrainSan with that feature off, with the set's own method and table.
+
+    python3 bench/bench_overhead.py --contenders precision --models mlp --steps 20
 """
 
 from __future__ import annotations
@@ -200,6 +206,8 @@ MODELS = {
     "mlp67m": ("MLP 4x 4096-4096 (67M params, 256 MiB fp32), batch 8", make_mlp67m),
 }
 DEFAULT_MODELS = "mlp,cnn,transformer,stack"
+# The per-feature contender sets (bench/contenders.py), run by --contenders SET.
+SETS = ("audit", "desync", "precision", "headroom", "rerun")
 
 
 def loss_fn(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -897,10 +905,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=None,
                     help="steps per contender per round (default 5; 20 on cuda)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--models", default=DEFAULT_MODELS,
+    ap.add_argument("--models", default=None,
                     help=f"comma-separated, of {', '.join(MODELS)} (default {DEFAULT_MODELS}; "
                          "mlp67m is the memory phase's model: 256 MiB of weights)")
-    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw", "adam"),
+    ap.add_argument("--optimizer", default=None, choices=("sgd", "adamw", "adam"),
                     help="sgd: SGD momentum 0.9 (default; the cheaper step); adamw; adam")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--breakdown", action="store_true",
@@ -911,12 +919,16 @@ def main(argv=None) -> int:
                     help="comma-separated contenders to run besides plain (default: all of "
                          "trainsan, trainsan-trace, trainsan-full, anomaly, pure-python, and with "
                          "--breakdown trainsan-noupd, trainsan-audit1; trainsan-noupd may be "
-                         "named without it); fewer contenders, more rounds a minute")
-    ap.add_argument("--malloc", default="steady", choices=("steady", "default", "mmap"),
+                         "named without it); fewer contenders, more rounds a minute. Or one "
+                         f"contender set of bench/contenders.py ({', '.join(SETS)}): a "
+                         "feature's cost against TrainSan with it off, its own table; the "
+                         "options it uses default to the set's own")
+    ap.add_argument("--malloc", default=None, choices=("steady", "default", "mmap"),
                     help="steady (default): keep freed memory mapped between steps (glibc "
                          "mallopt; see steady_malloc()), removing page-fault noise that hits "
                          "every contender; default: glibc's own thresholds; mmap: every block "
-                         "of 64 KiB or more mapped apart (see mmap_malloc())")
+                         "of 64 KiB or more mapped apart (see mmap_malloc()); a contender set's "
+                         "default is glibc's")
     ap.add_argument("--memory", action="store_true",
                     help="add the memory phase: a fresh process per model and memory contender, "
                          "peak memory above plain and the trace's bytes per step (issue 35)")
@@ -938,6 +950,17 @@ def main(argv=None) -> int:
                     help="probes per model and contender (medians; default 1)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
+    if args.contenders in SETS:
+        bad = [o for o, on in (("--memory", args.memory), ("--no-timing", args.no_timing),
+                               ("--breakdown", args.breakdown)) if on]
+        if bad:
+            ap.error(f"--contenders {args.contenders}: not with {', '.join(bad)}")
+        sys.modules.setdefault("bench_overhead", sys.modules[__name__])  # one copy of the module
+        import contenders
+
+        return contenders.run_set(args.contenders, args)
+    args.models = args.models or DEFAULT_MODELS
+    args.optimizer = args.optimizer or "sgd"
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})")
@@ -948,7 +971,7 @@ def main(argv=None) -> int:
         ap.error(f"--memory-contenders: unknown {', '.join(bad)} (choose from "
                  f"{', '.join(MEMORY_CONTENDERS)})")
     trainsan = _trainsan()
-    malloc = set_malloc(args.malloc)
+    malloc = set_malloc(args.malloc or "steady")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_overhead: --device cuda but no CUDA device is available; skipping.")
         return 0
