@@ -32,6 +32,18 @@ attaches nothing, so that the import's own cost shows apart. ``--no-timing`` ski
 phase.
 
     python3 bench/bench_overhead.py --models mlp67m --memory --no-timing --memory-steps 20
+
+``--contenders SET`` runs one of the per-feature contender sets of bench/contenders.py instead
+(``audit``, ``desync``, ``precision``, ``headroom``, ``rerun``): what one feature costs on these
+models against TrainSan with that feature off, with the set's own method and table.
+
+    python3 bench/bench_overhead.py --contenders precision --models mlp --steps 20
+
+``--ab A B`` compares two builds of TrainSan in one run: this benchmark (the other options) run
+alternately against each, a process per round, and the per-model medians of the rounds.
+
+    python3 bench/bench_overhead.py --ab /tmp/prev bindings:build/dev/bindings/libtrainsan_ops.so \
+        --ab-rounds 3 --steps 60 --threads 1
 """
 
 from __future__ import annotations
@@ -200,6 +212,8 @@ MODELS = {
     "mlp67m": ("MLP 4x 4096-4096 (67M params, 256 MiB fp32), batch 8", make_mlp67m),
 }
 DEFAULT_MODELS = "mlp,cnn,transformer,stack"
+# The per-feature contender sets (bench/contenders.py), run by --contenders SET.
+SETS = ("audit", "desync", "precision", "headroom", "rerun")
 
 
 def loss_fn(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -885,6 +899,87 @@ def memory_goals(mem: list, cuda: bool) -> list:
     return out
 
 
+# -- two builds side by side (--ab) ------------------------------------------------------------
+
+
+def _without_ab(argv: list) -> list:
+    """argv less --ab A B and --ab-rounds N: the arguments of each round's process."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--ab":
+            i += 3
+        elif a == "--ab-rounds":
+            i += 2
+        elif a.startswith("--ab-rounds="):
+            i += 1
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def _ab_env(build: str) -> dict:
+    """The environment of a round against `build` (a directory holding trainsan, or
+    bindings:LIB)."""
+    env = dict(os.environ)
+    path, _, lib = build.partition(":")
+    env["PYTHONPATH"] = os.path.abspath(path)
+    if lib:
+        env["TRAINSAN_LIBRARY"] = os.path.abspath(lib)
+    else:
+        env.pop("TRAINSAN_LIBRARY", None)
+    return env
+
+
+def _ab_round(build: str, extra: list) -> dict:
+    """One process of this benchmark against `build`; its --json results."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--no-anomaly", *extra, "--json", out]
+    r = subprocess.run(cmd, env=_ab_env(build), cwd=tempfile.gettempdir(),
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        sys.exit(f"bench_overhead --ab: the round against {build} failed:\n{r.stderr[-2000:]}")
+    with open(out, encoding="utf-8") as fh:
+        data = json.load(fh)
+    os.unlink(out)
+    return data
+
+
+def ab_compare(args, extra: list) -> int:
+    """--ab A B (was bench/compare_overhead.py): --ab-rounds rounds of A then B, each a process
+    of its own (two builds of the op library cannot share one), and per model the medians over
+    the rounds of trainsan's paired ratio to plain and of its own time."""
+    a, b = args.ab
+    per: dict = {"a": [], "b": []}
+    t0 = time.perf_counter()
+    for r in range(args.ab_rounds):
+        for side, build in (("a", a), ("b", b)):
+            print(f"round {r + 1}/{args.ab_rounds}: {side} ...", file=sys.stderr, flush=True)
+            per[side].append(_ab_round(build, extra))
+    models = [res["model"] for res in per["a"][0]["results"]]
+
+    def figures(side: str, model: str, key: str) -> float:
+        return statistics.median(res["contenders"]["trainsan"][key] for data in per[side]
+                                 for res in data["results"] if res["model"] == model)
+
+    print(f"A = {a}\nB = {b}\n{args.ab_rounds} rounds, A and B alternating; "
+          f"medians over rounds of bench_overhead.py {' '.join(extra)}")
+    print(f"{'model':12} {'A x plain':>10} {'B x plain':>10} {'A own ms':>9} {'B own ms':>9}"
+          f" {'B/A own':>8}")
+    for m in models:
+        ra, rb = figures("a", m, "paired_ratio"), figures("b", m, "paired_ratio")
+        oa, ob = figures("a", m, "own_ms"), figures("b", m, "own_ms")
+        print(f"{m:12} {ra:10.3f} {rb:10.3f} {oa:9.2f} {ob:9.2f} "
+              f"{ob / oa if oa else float('nan'):8.2f}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None,
@@ -897,10 +992,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=None,
                     help="steps per contender per round (default 5; 20 on cuda)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--models", default=DEFAULT_MODELS,
+    ap.add_argument("--models", default=None,
                     help=f"comma-separated, of {', '.join(MODELS)} (default {DEFAULT_MODELS}; "
                          "mlp67m is the memory phase's model: 256 MiB of weights)")
-    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw", "adam"),
+    ap.add_argument("--optimizer", default=None, choices=("sgd", "adamw", "adam"),
                     help="sgd: SGD momentum 0.9 (default; the cheaper step); adamw; adam")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--breakdown", action="store_true",
@@ -911,12 +1006,16 @@ def main(argv=None) -> int:
                     help="comma-separated contenders to run besides plain (default: all of "
                          "trainsan, trainsan-trace, trainsan-full, anomaly, pure-python, and with "
                          "--breakdown trainsan-noupd, trainsan-audit1; trainsan-noupd may be "
-                         "named without it); fewer contenders, more rounds a minute")
-    ap.add_argument("--malloc", default="steady", choices=("steady", "default", "mmap"),
+                         "named without it); fewer contenders, more rounds a minute. Or one "
+                         f"contender set of bench/contenders.py ({', '.join(SETS)}): a "
+                         "feature's cost against TrainSan with it off, its own table; the "
+                         "options it uses default to the set's own")
+    ap.add_argument("--malloc", default=None, choices=("steady", "default", "mmap"),
                     help="steady (default): keep freed memory mapped between steps (glibc "
                          "mallopt; see steady_malloc()), removing page-fault noise that hits "
                          "every contender; default: glibc's own thresholds; mmap: every block "
-                         "of 64 KiB or more mapped apart (see mmap_malloc())")
+                         "of 64 KiB or more mapped apart (see mmap_malloc()); a contender set's "
+                         "default is glibc's")
     ap.add_argument("--memory", action="store_true",
                     help="add the memory phase: a fresh process per model and memory contender, "
                          "peak memory above plain and the trace's bytes per step (issue 35)")
@@ -937,7 +1036,35 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-repeats", type=int, default=1,
                     help="probes per model and contender (medians; default 1)")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--ab", nargs=2, metavar=("A", "B"), default=None,
+                    help="two builds of TrainSan side by side: this benchmark (the other "
+                         "options, --no-anomaly) run alternately against each, a process per "
+                         "round, and the per-model medians of the rounds; a build is a directory "
+                         "holding the trainsan package with its op library, or bindings:LIB (a "
+                         "source tree and a built op library)")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="rounds of --ab (default 3)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.ab:
+        bad = [o for o, on in (("--memory", args.memory), ("--no-timing", args.no_timing),
+                               (f"--contenders {args.contenders}", args.contenders in SETS))
+               if on]
+        if bad:
+            ap.error(f"--ab: not with {', '.join(bad)}")
+        if args.contenders and "trainsan" not in args.contenders.split(","):
+            ap.error("--ab compares the trainsan contender: name it in --contenders")
+        return ab_compare(args, _without_ab(argv))
+    if args.contenders in SETS:
+        bad = [o for o, on in (("--memory", args.memory), ("--no-timing", args.no_timing),
+                               ("--breakdown", args.breakdown)) if on]
+        if bad:
+            ap.error(f"--contenders {args.contenders}: not with {', '.join(bad)}")
+        sys.modules.setdefault("bench_overhead", sys.modules[__name__])  # one copy of the module
+        import contenders
+
+        return contenders.run_set(args.contenders, args)
+    args.models = args.models or DEFAULT_MODELS
+    args.optimizer = args.optimizer or "sgd"
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)} (choose from {', '.join(MODELS)})")
@@ -948,7 +1075,7 @@ def main(argv=None) -> int:
         ap.error(f"--memory-contenders: unknown {', '.join(bad)} (choose from "
                  f"{', '.join(MEMORY_CONTENDERS)})")
     trainsan = _trainsan()
-    malloc = set_malloc(args.malloc)
+    malloc = set_malloc(args.malloc or "steady")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_overhead: --device cuda but no CUDA device is available; skipping.")
         return 0

@@ -18,8 +18,10 @@
 #   stacks-gpu bench/gpu_stacks.py (DDP over single-rank NCCL, FSDP2 world size 1, inductor)
 #   gpu-bench  bench/gpu_bench.py (2 GiB bf16 and fp32 over 300 tensors)
 #   gpt2-bench bench/bench_gpt2_gpu.py (sanitizer overhead on a GPT-2-small bf16 training step)
-#   desync-gpu bench/bench_desync.py --device cuda (rank_desync's cost, two ranks on one GPU)
-#   prec-gpu   bench/bench_precision.py --device cuda (overflow provenance under fp16 + scaler)
+#   desync-gpu bench/bench_overhead.py --contenders desync --device cuda (rank_desync's cost, two
+#              ranks on one GPU)
+#   prec-gpu   bench/bench_overhead.py --contenders precision --device cuda (overflow provenance
+#              under fp16 + scaler)
 # The whole run stays within GPU_CHECK_BUDGET_S seconds (default 540, so under 9 minutes): a phase
 # gets at most its own limit and what is left of the budget.
 #
@@ -259,20 +261,23 @@ if ((!BUILT)); then
   skip_phase desync-gpu "build failed"
 else
   # rank_desync's cost per step: two processes on the one GPU (gloo default group, DDP), the check
-  # on and off, against Megatron-style SHA-1 hashing (bench/bench_desync.py; goal <= 1%).
+  # on and off, against Megatron-style SHA-1 hashing (bench_overhead.py's contender set desync;
+  # goal <= 1%).
   run_phase desync-gpu 90 "$(gpu_note "2 ranks on one GPU, DDP over gloo")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" "$ROOT/bench/bench_desync.py" --device cuda --models mlp,transformer --steps 20
+    "$PY" "$ROOT/bench/bench_overhead.py" --contenders desync --device cuda \
+    --models mlp,transformer --steps 20
 fi
 
 if ((!BUILT)); then
   skip_phase prec-gpu "build failed"
 else
-  # Overflow provenance's cost under CUDA fp16 autocast with a GradScaler (bench/bench_precision.py;
-  # the GPT-2-small figure is gpt2-bench's "provenance" lines).
+  # Overflow provenance's cost under CUDA fp16 autocast with a GradScaler (bench_overhead.py's
+  # contender set precision; the GPT-2-small figure is gpt2-bench's "provenance" lines).
   run_phase prec-gpu 80 "$(gpu_note "fp16 autocast + GradScaler, provenance off/default/every")" \
     env TRAINSAN_LIBRARY="$LIB" PYTHONPATH="$ROOT/bindings${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" "$ROOT/bench/bench_precision.py" --device cuda --models mlp,transformer --steps 60
+    "$PY" "$ROOT/bench/bench_overhead.py" --contenders precision --device cuda \
+    --models mlp,transformer --steps 60
 fi
 
 # --- summary ------------------------------------------------------------------------------------
