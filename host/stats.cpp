@@ -256,11 +256,10 @@ namespace {
 // earlier pass of the same shape that nobody holds any more (neither the tensors nor a view of
 // their storage): at::empty is a dispatcher call and an allocation, and inside a training step,
 // with its code and data evicted by the step's own work, each cost ~10-15 us on the bench's CPU
-// (bench/cold_events.py; bench/RESULTS.md, issue 23), while a step makes its passes of the same
-// few shapes every time.
-// Every element of a reused buffer is written by the pass (pack_record writes whole rows), so
-// a reused buffer is indistinguishable from a new one; a buffer still held elsewhere (returned
-// to a caller, kept in a HostCopy not yet read) is never handed out again.
+// (bench/probes.py cold_events; bench/RESULTS.md, issue 23), while a step makes its passes of the
+// same few shapes every time. Every element of a reused buffer is written by the pass (pack_record
+// writes whole rows), so a reused buffer is indistinguishable from a new one; a buffer still held
+// elsewhere (returned to a caller, kept in a HostCopy not yet read) is never handed out again.
 // Passes of up to kReusedMaxRows tensors; at most kReusedRows buffers a thread (4 MiB at most).
 constexpr size_t kReusedRows = 8;
 constexpr int64_t kReusedMaxRows = 4096;

@@ -7,9 +7,9 @@
 // ~~~~~~~~~~~~~~~
 // The events every training step makes — forward, the loss root's walk and the loss, the step's
 // begin and end, zero_grad — are five entries into C++ a step. Measured on the CPU in a step of
-// a small CNN (bench/cold_calls.py, 1 or 2 threads), a torch.classes method call right after the
-// backward costs ~120 us (its code and data are cold; ~6 us when called again at once), the same
-// call through pybind11 ~22 us (~1 us warm). So those events are also bound in a small Python
+// a small CNN (bench/probes.py cold_calls, 1 or 2 threads), a torch.classes method call right after
+// the backward costs ~120 us (its code and data are cold; ~6 us when called again at once), the
+// same call through pybind11 ~22 us (~1 us warm). So those events are also bound in a small Python
 // extension module, _trainsan_hot (built for the Python it was compiled with, next to the op
 // library), that calls the same functions below on the handle registered under an id (hot_id()).
 // The package uses it when it loads, and the torch.classes methods otherwise (another Python
