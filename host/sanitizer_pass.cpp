@@ -43,9 +43,7 @@ struct SanitizerImpl::Pass {
   std::vector<size_t> eval_modules;
   int64_t grad_forwards = 0;
   int64_t no_grad_train_forwards = 0;
-  int64_t foreign_backwards = 0;  // Note [Foreign backwards]
-  ForeignBackward foreign;
-  int64_t backwards = -1;  // Note [Accumulation windows]; -1: manual mode
+  StepEnd fed;  // the feeders' facts (Note [Feeders]): foreign backwards, the window's backwards
 };
 
 namespace {
@@ -221,10 +219,6 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     p->no_grad_train_forwards = no_grad_now - no_grad_at;
     grad_at = grad_now;
     no_grad_at = no_grad_now;
-    int64_t& foreign_at = foreign_at_step[key];
-    p->foreign_backwards = foreign_total - foreign_at;
-    p->foreign = foreign_latest;
-    foreign_at = foreign_total;
   }
   for (size_t i = 0; i < params.size(); ++i) {
     // A step covers its optimizer's parameters and those in no optimizer
@@ -233,7 +227,11 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
     p->indices.push_back(i);
   }
-  if (!manual) p->backwards = window_end(p->step, opt, /*judged=*/!p->partial);
+  p->fed.step = p->step;
+  p->fed.opt = opt;
+  p->fed.manual = manual;
+  p->fed.partial = p->partial;
+  for (Feed* f : feeds) f->on_step_end(p->fed);  // Note [Feeders]
   grads.consume(p->indices, manual, &p->consumed);
   std::vector<HostCopy> copies;
   bool with_snapshot = false;
@@ -247,7 +245,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     // Note [Every-step tier]: elsewhere the gradients get the lean rows of Note [Lean rows].
     // Note [Bounded trace]: the steps whose records hold per-tensor rows for a reason known now.
     p->hashed = opts.fingerprints || trace.rows_due(p->step);
-    p->replica = replicas && checks.replicas.fingerprint_due(p->step);
+    p->replica = replicas.enabled && checks.replicas.fingerprint_due(p->step);
     p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
     // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
     // step before one; the update is reported where the snapshot is from the step just before.
@@ -362,12 +360,12 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   const auto now = Clock::now();
   if (last_step_end != Clock::time_point{}) {
     budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
-                   overhead_s - overhead_at_last_step_end, p->with_params);
+                   time.overhead_s - overhead_at_last_step_end, p->with_params);
   }
   last_step_end = now;
-  overhead_at_last_step_end = overhead_s;
+  overhead_at_last_step_end = time.overhead_s;
   coverage.update_period = budget.period();
-  if (replica_driver) replica_driver->on_event(manual ? -1 : opt, /*skipped=*/false);
+  for (Feed* f : feeds) f->after_step(manual ? -1 : opt, /*skipped=*/false);
 }
 
 void SanitizerImpl::record_versions(int64_t opt) {
@@ -406,7 +404,7 @@ void SanitizerImpl::record_versions(int64_t opt) {
 // dropped at the next begin of that optimizer, at its gradients' clearing and at close.
 void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   begin_rows.erase(opt);
-  if (!grads_final || closed || opts.fingerprints || replicas) return;
+  if (!grads_final || closed || opts.fingerprints || replicas.enabled) return;
   if (trace.is_open()) {  // the steps fingerprinted for the trace's rows (Note [Bounded trace])
     const auto it = opt_steps.find(opt);
     const int64_t upcoming = it == opt_steps.end() ? 0 : it->second;
@@ -592,8 +590,8 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.eval_modules = p.eval_modules;
   v.grad_forwards = p.grad_forwards;
   v.no_grad_train_forwards = p.no_grad_train_forwards;
-  v.foreign_backwards = p.foreign_backwards;
-  v.foreign = p.foreign;
+  v.foreign_backwards = p.fed.foreign_backwards;
+  v.foreign = p.fed.foreign;
   v.params.resize(p.indices.size());
   for (size_t k = 0; k < p.indices.size(); ++k) {
     const size_t i = p.indices[k];
@@ -637,7 +635,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
       fp.has_grad.push_back(g);
       fp.grad.push_back(g ? static_cast<int64_t>(pv.grad->hash) : 0);
     }
-    fingerprints.push_back(std::move(fp));
+    replicas.fingerprints.push_back(std::move(fp));
   }
   if (!p.hashed) {  // fingerprints only for the replica comparison: not in last_stats/the trace
     for (ParamView& pv : v.params) {
@@ -686,8 +684,8 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.update_stats = v.totals.any_update;
     rec.params_read = p.with_params;
     flush_clock();  // Note [Own time]
-    rec.overhead_s = step_overhead_s;
-    rec.backwards = p.backwards;
+    rec.overhead_s = time.step_overhead_s;
+    rec.backwards = p.fed.backwards;
     rec.totals = v.totals;
     if (const auto it = input_hashes.find(p.step); it != input_hashes.end()) {
       rec.inputs = it->second;
@@ -699,7 +697,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     last_loss.reset();
     rec.digest = grads_digest(v);
     trace.step(std::move(rec));
-    step_overhead_s = 0.0;
+    time.step_overhead_s = 0.0;
   }
 }
 
