@@ -36,20 +36,6 @@ std::vector<uint64_t> hashes_of(const PackedStats& host) {
   return out;
 }
 
-// The same tensor viewed as unsigned-width integers, for bitwise comparison.
-at::Tensor as_bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 8:
-      return t.view(at::kLong);
-    case 4:
-      return t.view(at::kInt);
-    case 2:
-      return t.view(at::kShort);
-    default:
-      return t.view(at::kByte);
-  }
-}
-
 // The parameters the passes read; those of a dtype the pass does not read (Note [Dtypes the pass
 // reads] in host/stats.cpp: float8, uint16, ...) are left out and named in `unread`.
 std::vector<TrackedParam> to_tracked(std::vector<Parameter> ps, std::vector<std::string>* unread,
@@ -141,7 +127,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
     read_resume_trace(opts.resume_trace, &hashes, &steps);
     checks.inputs.seed(hashes, steps);
   }
-  initial_param_norms();
+  updates.init();
   AuditConfig cfg;
   cfg.broadcast = opts.enabled("broadcast");
   cfg.label_range = opts.enabled("label_range");
@@ -190,7 +176,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
 void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   if (closed) return;
   const bool grad_enabled = at::GradMode::is_enabled();
-  check_updates_outside_step(-1);
+  updates.check_outside_step(-1);
   ForwardFacts f;
   f.training = setup.binding->training(opt);
   f.module_eval = setup.binding->module_eval();
@@ -418,71 +404,6 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
                              checks.precision.on_loss(v);
                              coverage.losses_checked += 1;
                            });
-  add_overhead(seconds_since(t0));
-}
-
-void SanitizerImpl::check_updates_outside_step(int64_t opt) {
-  if (!opts.enabled("update_outside_step") || snapshots.empty() || closed || step == 0) return;
-  // Opt-in: one comparison per parameter against the snapshot of the previous step's end, and
-  // one read of the flags (a device sync on GPU) — hence off by default.
-  const auto t0 = Clock::now();
-  if (!opts.exact_updates) {
-    // Note [Update statistics without a snapshot]: each parameter's fingerprint now against the
-    // one of its sample (the previous step's end; on a GPU still on its way: waited for here,
-    // where the comparison waits for its own result anyway).
-    readback.drain_all();
-    std::map<std::pair<int, int>, std::vector<size_t>> by_device;
-    for (size_t i = 0; i < params.size() && i < snapshot_hash.size(); ++i) {
-      if ((opt >= 0 && params[i].opt != opt) || !snapshot_hash[i] || !snapshots[i].defined()) {
-        continue;
-      }
-      const at::Tensor& prm = params[i].data();
-      by_device[{static_cast<int>(prm.device().type()), prm.device().index()}].push_back(i);
-    }
-    std::vector<std::string> names;
-    for (const auto& [dev, idx] : by_device) {
-      std::vector<at::Tensor> ts;
-      for (const size_t i : idx) ts.push_back(params[i].data());
-      std::vector<TensorStats> st;
-      try {
-        st = unpack_stats(fingerprint_stats_packed(ts));
-      } catch (const c10::Error&) {
-        continue;  // a parameter the pass cannot read: the step pass says what is wrong with it
-      }
-      for (size_t k = 0; k < idx.size(); ++k) {
-        if (st[k].hash != *snapshot_hash[idx[k]]) names.push_back(params[idx[k]].name);
-      }
-    }
-    checks.integrity.on_step_begin(names, step);
-    add_overhead(seconds_since(t0));
-    return;
-  }
-  std::vector<size_t> idx;
-  std::vector<at::Tensor> flags;
-  {
-    const at::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (opt >= 0 && params[i].opt != opt) continue;
-      const at::Tensor& snap = snapshots[i];
-      const at::Tensor& prm = params[i].data();
-      if (!snap.defined() || snap.sizes() != prm.sizes() || snap.device() != prm.device() ||
-          snap.scalar_type() != prm.scalar_type()) {
-        continue;
-      }
-      idx.push_back(i);
-      // Bitwise comparison (NaN == NaN, -0 != +0): any changed element counts.
-      flags.push_back(at::ne(as_bits(prm.detach()), as_bits(snap)).any());
-    }
-  }
-  if (!flags.empty()) {
-    const at::Tensor changed = at::stack(flags).to(at::kCPU);
-    const bool* c = changed.const_data_ptr<bool>();
-    std::vector<std::string> names;
-    for (size_t k = 0; k < idx.size(); ++k) {
-      if (c[k]) names.push_back(params[idx[k]].name);
-    }
-    checks.integrity.on_step_begin(names, step);
-  }
   add_overhead(seconds_since(t0));
 }
 

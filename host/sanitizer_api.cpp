@@ -115,7 +115,7 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
       impl_->watch->arm();
       return;
     }
-    impl_->check_updates_outside_step(-1);
+    impl_->updates.check_outside_step(-1);
     report();
     if (rerun_due()) impl_->reruns.capture_rerun_start();
     impl_->reruns.capture_error_start(inputs);
@@ -199,9 +199,9 @@ void Sanitizer::step_begin(int64_t opt, bool grads_final) {
   guarded(*impl_, "step_begin", [&] {
     const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->grads.set_in_step(true);
-    impl_->record_versions(opt);
+    impl_->updates.record_versions(opt);
     impl_->read_grads_at_begin(opt, grads_final);  // Note [Gradients read at the step's beginning]
-    impl_->check_updates_outside_step(opt);
+    impl_->updates.check_outside_step(opt);
     impl_->stop_before_step(opt);
     report();
   });

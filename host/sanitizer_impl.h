@@ -35,6 +35,7 @@
 #include "rng_state.h"
 #include "trace.h"
 #include "trainsan/sanitizer.h"
+#include "update_stats.h"
 
 namespace trainsan::host {
 
@@ -54,7 +55,6 @@ struct SanitizerImpl {
   void forward(const ForwardFacts& facts);
   void manual_boundary();
   void loss(const at::Tensor& loss);
-  void check_updates_outside_step(int64_t opt);
   void stop_before_step(int64_t opt);  // Note [Device stop] (option device_stop)
   void step_end(int64_t opt, bool lr_zero, bool manual,
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
@@ -83,7 +83,6 @@ struct SanitizerImpl {
   // The step pass (sanitizer_pass.cpp).
   struct Pass;
   void check_pass(const Pass& p, const std::vector<HostCopy>& copies);
-  void initial_param_norms();
 
   // Note [Own time] (own_time.h): add_overhead for a timed section, add_outside for time spent
   // outside any entry.
@@ -116,19 +115,6 @@ struct SanitizerImpl {
   std::map<int64_t, int64_t> opt_steps;  // steps per optimizer (-1: manual mode)
   bool closed = false;
   std::vector<int64_t> in_flight;  // optimizers whose step was in flight at attach (step_in_flight)
-  // Note [Overhead budget]: which steps get update statistics; per optimizer, the step whose
-  // pass last wrote the snapshots of its parameters (-1: at attach).
-  OverheadBudget budget{opts.enabled("update_outside_step") ? 0.0 : opts.overhead_budget,
-                        opts.overhead_warmup};
-  std::map<int64_t, int64_t> snapshot_step;
-  // Note [Version trigger] (overhead_budget.h): per optimizer, its parameters' version counters at
-  // its step's begin (-1: no gradient then), whether its previous step left one of them unmoved,
-  // and the step a trigger made an update step.
-  std::map<int64_t, std::vector<int64_t>> versions_at_begin;
-  std::map<int64_t, bool> unmoved_last;
-  std::map<int64_t, int64_t> forced_update;
-  void record_versions(int64_t opt);
-  bool versions_unmoved(int64_t opt);
   // Note [Gradients read at the step's beginning] (sanitizer_pass.cpp): per optimizer, the lean
   // rows of its gradients read at its step's begin, and which gradient (tensor and version) each
   // row is of; the step end uses a row where the gradient is still that tensor at that version.
@@ -150,23 +136,6 @@ struct SanitizerImpl {
   Coverage coverage;  // what was checked (Sanitizer::coverage)
   // Note [Faults] (sanitizer_api.cpp): the internal error after which it stopped checking, or "".
   std::string fault;
-  // Previous parameter values (track_updates): each a full copy with exact_updates, else its
-  // sample (Note [Update sample]); and the fingerprint of the parameter when its snapshot was
-  // written (Note [Update statistics without a snapshot]; nullopt where not known).
-  std::vector<at::Tensor> snapshots;
-  std::vector<std::optional<uint64_t>> snapshot_hash;
-  /// A parameter's update statistics read from its sample: scaled to the whole tensor, and exact
-  /// where the fingerprints say the step changed nothing; `now` is its row of this pass (the
-  /// fingerprint is then that of its new snapshot).
-  void sampled_update(size_t i, const TensorStats& now, const std::optional<TensorStats>& grad,
-                      std::optional<UpdateStats>& update);
-  static constexpr int64_t kUnseenSparse = 8;
-  // ||theta|| of each parameter as of its previous pass (at attach before the first): the
-  // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
-  std::vector<double> prev_param_l2;
-  // Each parameter's latest measured statistics (Note [Every-step tier]: steps without a
-  // parameter pass show these, marked not measured).
-  std::vector<TensorStats> param_stats;
   std::map<std::string, TensorStats> last;  // last_stats()
   std::optional<double> last_loss;          // the latest loss read back, for the next step record
   // Sanitizer::headroom_due's verdict for step headroom_step (Note [Bounded trace]).
@@ -213,6 +182,7 @@ struct SanitizerImpl {
   // in the order the shared events reach them.
   FeedContext ctx{opts, setup,    params,      checks, grads,     store,  trace,
                   time, coverage, events_seen, step,   opt_steps, closed, watch};
+  UpdateStatistics updates{ctx, readback};  // the step pass's update statistics
   ForeignFeed foreign{ctx};
   AccumulationFeed accumulation{ctx};
   RerunFeed reruns{ctx};
