@@ -15,7 +15,7 @@
 #include <cmath>
 #include <limits>
 
-#include "checks/check.h"
+#include "checks/autograd.h"
 #include "feeds/custom_grad_feed.h"
 #include "rng_state.h"
 

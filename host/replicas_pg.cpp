@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-#include "checks/check.h"
+#include "checks/replicas.h"
 #include "feeds/replica_feed.h"
 #include "trainsan/replicas.h"
 

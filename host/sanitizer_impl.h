@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "audit.h"
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "feeds/accumulation_feed.h"
 #include "feeds/attribution_feed.h"
 #include "feeds/custom_grad_feed.h"

@@ -1,9 +1,9 @@
 // accumulation_mismatch: the declared gradient accumulation window (Options::accumulation_steps)
 // against the backward passes each optimizer step followed.
+#include "checks/accumulation.h"
+
 #include <algorithm>
 #include <string>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

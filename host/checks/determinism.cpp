@@ -1,9 +1,9 @@
 // nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits;
 // or an activation-checkpointed region, recomputed in the backward, gave other bits than its
 // forward.
-#include <algorithm>
+#include "checks/determinism.h"
 
-#include "checks/check.h"
+#include <algorithm>
 
 namespace trainsan::host {
 

@@ -2,12 +2,12 @@
 // bindings/trainsan/replicas.py gathers the facts). The rules are simple — any difference of
 // bits is a finding — so this file is mostly the wording: which tensors, which ranks, what the
 // pattern of the difference says about its cause, and the fix.
+#include "checks/replicas.h"
+
 #include <algorithm>
 #include <map>
 #include <sstream>
 #include <stdexcept>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

@@ -1,11 +1,11 @@
 // skipped_step (gradients cleared unused, too many backwards without a step, gradients cleared
 // before the step, a step that changed nothing, a tensor a step left unchanged) and
 // update_outside_step.
+#include "checks/step_integrity.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "findings.h"
 #include "grad_tracker.h"
 #include "own_time.h"
@@ -36,8 +36,10 @@ class ForwardWatch;
 // events, sanitizer_pass.cpp: the step pass, sanitizer_api.cpp: the front door).
 //
 // SanitizerImpl holds each feeder by name (for the events only that family has: foreign_backward,
-// rerun, compare_replicas) and lists them in `feeds`, in a fixed order, for the events every
-// family may want; a feeder overrides what it needs, the rest are no-ops:
+// loss_reaches, rerun, attribute, check_custom_grad, compare_replicas) and lists those that take
+// shared events in `feeds`, in a fixed order (the order their findings appear in: the foreign
+// walk, then the window, the re-run state, the replicas); a feeder overrides what it needs, the
+// rest are no-ops:
 //   on_forward   a training forward (train mode, grad enabled, outside an optimizer step);
 //   on_loss      a watched loss, after its argument checks and before it is read;
 //   on_step_end  an optimizer step (or a manual-mode boundary) before its pass is launched: the
@@ -52,6 +54,10 @@ class ForwardWatch;
 // host/feeds/, listed in host/CMakeLists.txt, a member of SanitizerImpl added to `feeds`, and
 // its facts for the pass a field of StepEnd and of StepView. A feeder that must see an event not
 // listed above gets a method of its own, called by name where that event arrives.
+// Not yet feeders, still SanitizerImpl's (sanitizer.cpp, interleaved with the forward and loss
+// events they serve): the mode rules' forward counts (Note [Mode rules]), the input and target
+// fingerprints, and the loss stream (Note [Loss stream]). The update statistics are the step
+// pass's own unit (update_stats.h), not a feeder.
 
 /// What a feeder sees of its sanitizer: references into SanitizerImpl, which outlives its feeders.
 struct FeedContext {
