@@ -86,20 +86,20 @@ std::vector<at::Tensor> copies(const std::vector<at::Tensor>& ts) {
 class RerunScope {
  public:
   RerunScope(FeedContext& ctx, std::vector<c10::DeviceIndex> devices)
-      : impl_(ctx), rng_(RngState::capture(devices)), buffers_(copies(ctx.setup.buffers)) {
+      : ctx_(ctx), rng_(RngState::capture(devices)), buffers_(copies(ctx.setup.buffers)) {
     for (const TrackedParam& p : ctx.params) grads_.push_back(p.param.grad());
     ctx.grads.set_paused(true);
     Sanitizer::pause_audit(true);
   }
   ~RerunScope() {
     try {
-      for (size_t i = 0; i < grads_.size(); ++i) impl_.params[i].param.mutable_grad() = grads_[i];
-      copy_into(impl_.setup.buffers, buffers_);
+      for (size_t i = 0; i < grads_.size(); ++i) ctx_.params[i].param.mutable_grad() = grads_[i];
+      copy_into(ctx_.setup.buffers, buffers_);
       rng_.restore();
     } catch (...) {  // a destructor: nothing else to do with it
     }
     Sanitizer::pause_audit(false);
-    impl_.grads.set_paused(false);
+    ctx_.grads.set_paused(false);
   }
   RerunScope(const RerunScope&) = delete;
   RerunScope& operator=(const RerunScope&) = delete;
@@ -110,12 +110,12 @@ class RerunScope {
   }
   void start(const RngState& rng, const std::vector<at::Tensor>& buffers) {
     rng.restore();
-    copy_into(impl_.setup.buffers, buffers);
-    for (const TrackedParam& p : impl_.params) p.param.mutable_grad().reset();
+    copy_into(ctx_.setup.buffers, buffers);
+    for (const TrackedParam& p : ctx_.params) p.param.mutable_grad().reset();
   }
 
  private:
-  FeedContext& impl_;
+  FeedContext& ctx_;
   RngState rng_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> grads_;
