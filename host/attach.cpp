@@ -284,7 +284,8 @@ Sanitizer attach(const std::vector<Part>& parts, Options options) {
   }
   Setup setup;
   setup.manual = all_opts.empty();
-  for (const Part& part : parts) {  // what a re-run starts from and puts back (rerun.cpp)
+  for (const Part& part :
+       parts) {  // what a re-run starts from and puts back (feeds/rerun_feed.cpp)
     for (const at::Tensor& b : part.model.buffers()) setup.buffers.push_back(b);
   }
   auto binding = std::make_shared<Binding>(models, all_opts, model_of_opt);

@@ -15,9 +15,9 @@
 #include <cmath>
 #include <limits>
 
-#include "checks/check.h"
+#include "checks/autograd.h"
+#include "feeds/custom_grad_feed.h"
 #include "rng_state.h"
-#include "sanitizer_impl.h"
 
 namespace trainsan {
 
@@ -286,22 +286,19 @@ std::vector<Finding> check_custom_grad(const std::string& name, const TensorFunc
   return host::judge_custom_grad(results);
 }
 
-void Sanitizer::check_custom_grad(const std::string& name, const TensorFunction& fn,
-                                  const std::vector<at::Tensor>& inputs) {
-  // Its first call (by name), then on the gradcheck_every steps.
-  const bool first = impl_->custom_grad_checked.count(name) == 0;
-  if (!custom_grad_due(first)) return;
-  impl_->custom_grad_checked.insert(name);
+void host::CustomGradFeed::check(const std::string& name, const TensorFunction& fn,
+                                 const std::vector<at::Tensor>& inputs) {
+  checked_.insert(name);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<CustomGradResult> results;
   {
     const AuditPause pause;
     results = measure_custom_grad(name, fn, inputs);
   }
-  impl_->add_overhead(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  impl_->events_seen.insert("bad_custom_grad");
-  impl_->checks.autograd.on_custom_grads(results, impl_->step);
-  report();
+  ctx_.time.add_overhead(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ctx_.events_seen.insert("bad_custom_grad");
+  ctx_.checks.autograd.on_custom_grads(results, ctx_.step);
 }
 
 }  // namespace trainsan

@@ -5,7 +5,7 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The C++ twin of bindings/trainsan/replicas.py (Note [Replica comparison]) for one replica set:
 // the caller's group, whose every rank holds a replica of every parameter of the sanitizer (a
-// data-parallel program). Per step event of an optimizer (SanitizerImpl::step_end, or a step its
+// data-parallel program). Per step event of an optimizer (the step pass, or a step its
 // scaler skipped) every rank builds its row (trainsan::replica_row, Note [Replica payload]) from
 // the pass's fingerprints (Sanitizer::take_fingerprints' StepFingerprints), all-reduces (MAX)
 // [row, ~row] on the group, and reads the result at its next event (or at close()), so the
@@ -37,8 +37,8 @@
 #include <utility>
 #include <vector>
 
-#include "checks/check.h"
-#include "sanitizer_impl.h"
+#include "checks/replicas.h"
+#include "feeds/replica_feed.h"
 #include "trainsan/replicas.h"
 
 namespace trainsan {
@@ -80,22 +80,22 @@ std::vector<int64_t> to_vector(const at::Tensor& t) {
   return {d, d + c.numel()};
 }
 
-class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
+class PgReplicaDriver final : public ReplicaFeed::Driver {
  public:
-  PgReplicaDriver(SanitizerImpl& impl, c10::intrusive_ptr<c10d::ProcessGroup> group,
+  PgReplicaDriver(ReplicaFeed& feed, c10::intrusive_ptr<c10d::ProcessGroup> group,
                   ReplicaSetup setup)
-      : impl_(impl), group_(std::move(group)), setup_(std::move(setup)) {
+      : feed_(feed), ctx_(feed.context()), group_(std::move(group)), setup_(std::move(setup)) {
     if (setup_.name.empty()) {
       setup_.name = "the data-parallel group (the process group given to compare_replicas)";
     }
     for (int r = 0; r < group_->getSize(); ++r) ranks_.push_back(r);
     uint64_t h = fold(0xCBF29CE484222325ULL, setup_.name + "/" + std::to_string(ranks_.size()));
-    for (size_t i = 0; i < impl_.params.size(); ++i) {
+    for (size_t i = 0; i < ctx_.params.size(); ++i) {
       members_.push_back(static_cast<int64_t>(i));
-      names_.push_back(impl_.params[i].name);
-      h = fold(fold(h, impl_.params[i].name), layout_of(impl_.params[i].data()));
+      names_.push_back(ctx_.params[i].name);
+      h = fold(fold(h, ctx_.params[i].name), layout_of(ctx_.params[i].data()));
     }
-    if (impl_.opts.desync_buffers) {
+    if (ctx_.opts.desync_buffers) {
       for (const auto& [name, t] : setup_.buffers) {
         if (!t.defined()) continue;
         buffer_names_.push_back(name);
@@ -104,18 +104,18 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
       }
     }
     digest_ = static_cast<int64_t>(h);
-    timeout_ = std::chrono::duration<double>(impl_.opts.desync_timeout);
+    timeout_ = std::chrono::duration<double>(ctx_.opts.desync_timeout);
   }
 
   // The weights the replicas start from: one blocking comparison.
   void first() {
     guarded([&] {
       Event ev;
-      ev.forwards = impl_.coverage.training_forwards;
+      ev.forwards = ctx_.coverage.training_forwards;
       ev.waiting = false;
       ev.first = true;
       std::vector<at::Tensor> ts;
-      for (const TrackedParam& p : impl_.params) ts.push_back(p.data().detach());
+      for (const TrackedParam& p : ctx_.params) ts.push_back(p.data().detach());
       const std::vector<TensorStats> stats = tensor_stats(ts);
       for (size_t i = 0; i < stats.size(); ++i) {
         ev.fingerprints.index.push_back(static_cast<int64_t>(i));
@@ -137,9 +137,9 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
       ev.step = steps_[opt];
       if (!skipped) steps_[opt] += 1;
       ev.skipped = skipped;
-      ev.forwards = impl_.coverage.training_forwards;
-      ev.waiting = !skipped && impl_.replicas && impl_.checks.replicas.fingerprint_due(ev.step);
-      const bool sampled = !skipped && impl_.checks.replicas.grads_due(ev.step);
+      ev.forwards = ctx_.coverage.training_forwards;
+      ev.waiting = !skipped && feed_.enabled && ctx_.checks.replicas.fingerprint_due(ev.step);
+      const bool sampled = !skipped && ctx_.checks.replicas.grads_due(ev.step);
       if (ev.waiting && sampled && setup_.grads) ev.grads = members_;
       if (sampled && !buffers_.empty()) {
         std::vector<at::Tensor> ts;
@@ -188,7 +188,7 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
   // those launched before the newest (all of them when `final`).
   void pump(bool final) {
     std::vector<StepFingerprints> landed;
-    landed.swap(impl_.fingerprints);
+    landed.swap(feed_.fingerprints);
     for (StepFingerprints& fp : landed) {
       for (Event& ev : fifo_) {
         if (ev.opt != fp.opt || ev.skipped || !ev.waiting) continue;
@@ -296,8 +296,8 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
   }
 
   void emit(const ReplicaReport& r) {
-    impl_.events_seen.insert("rank_desync");
-    impl_.checks.replicas.on_report(r);
+    ctx_.events_seen.insert("rank_desync");
+    ctx_.checks.replicas.on_report(r);
   }
 
   // Every rank's row, in group rank order; empty when the gather does not complete in time.
@@ -365,7 +365,8 @@ class PgReplicaDriver final : public SanitizerImpl::ReplicaDriver {
     emit(r);
   }
 
-  SanitizerImpl& impl_;
+  ReplicaFeed& feed_;
+  FeedContext& ctx_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ReplicaSetup setup_;
   std::vector<int64_t> ranks_;
@@ -394,19 +395,19 @@ void compare_replicas(Sanitizer& san, c10::intrusive_ptr<c10d::ProcessGroup> gro
                     group->getSize(),
                     " rank; replicas need a group of at least 2 ranks (a single process has "
                     "nothing to compare: do not call compare_replicas there)");
-  host::SanitizerImpl& impl = host::ReplicaAccess::impl(san);
-  TORCH_CHECK_VALUE(!impl.closed, "trainsan::compare_replicas: the sanitizer is closed");
-  TORCH_CHECK_VALUE(!impl.replica_driver,
+  host::ReplicaFeed& feed = host::replica_feed(host::ReplicaAccess::impl(san));
+  TORCH_CHECK_VALUE(!feed.context().closed, "trainsan::compare_replicas: the sanitizer is closed");
+  TORCH_CHECK_VALUE(!feed.driver,
                     "trainsan::compare_replicas: this sanitizer already compares replicas");
-  TORCH_CHECK_VALUE(impl.opt_steps.empty(),
+  TORCH_CHECK_VALUE(feed.context().opt_steps.empty(),
                     "trainsan::compare_replicas: call it before the first step (the replicas' "
                     "starting weights are compared at this call, and every rank must count the "
                     "same steps from it)");
   san.compare_replicas();
-  if (!impl.replicas) return;  // rank_desync disabled
-  auto driver = std::make_unique<host::PgReplicaDriver>(impl, std::move(group), std::move(setup));
+  if (!feed.enabled) return;  // rank_desync disabled
+  auto driver = std::make_unique<host::PgReplicaDriver>(feed, std::move(group), std::move(setup));
   host::PgReplicaDriver& d = *driver;
-  impl.replica_driver = std::move(driver);
+  feed.driver = std::move(driver);
   d.first();
   host::ReplicaAccess::report(san);
 }

@@ -1,6 +1,6 @@
-// The sanitizer's events (SanitizerImpl): facts come in, the checks (checks/), the op audit
-// (audit/) and the read-back queue do the work; the public front door (sanitizer_api.cpp) reports
-// the new findings of each event with the policy's answer.
+// The sanitizer's events (SanitizerImpl): facts come in, the checks (checks/), the feeders
+// (feeds/), the op audit (audit/) and the read-back queue do the work; the public front door
+// (sanitizer_api.cpp) reports the new findings of each event with the policy's answer.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
@@ -34,20 +34,6 @@ std::vector<uint64_t> hashes_of(const PackedStats& host) {
   std::vector<uint64_t> out;
   for (const auto& s : unpack_stats(host)) out.push_back(s.hash);
   return out;
-}
-
-// The same tensor viewed as unsigned-width integers, for bitwise comparison.
-at::Tensor as_bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 8:
-      return t.view(at::kLong);
-    case 4:
-      return t.view(at::kInt);
-    case 2:
-      return t.view(at::kShort);
-    default:
-      return t.view(at::kByte);
-  }
 }
 
 // The parameters the passes read; those of a dtype the pass does not read (Note [Dtypes the pass
@@ -141,7 +127,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
     read_resume_trace(opts.resume_trace, &hashes, &steps);
     checks.inputs.seed(hashes, steps);
   }
-  initial_param_norms();
+  updates.init();
   AuditConfig cfg;
   cfg.broadcast = opts.enabled("broadcast");
   cfg.label_range = opts.enabled("label_range");
@@ -190,13 +176,13 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
 void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   if (closed) return;
   const bool grad_enabled = at::GradMode::is_enabled();
-  check_updates_outside_step(-1);
+  updates.check_outside_step(-1);
   ForwardFacts f;
   f.training = setup.binding->training(opt);
   f.module_eval = setup.binding->module_eval();
   f.inputs = pending_inputs.empty() ? std::move(batch) : pending_inputs;
   f.opt = opt;
-  if (f.training) capture_error_start(f.inputs);  // Note [Re-run attribution]
+  if (f.training) reruns.capture_error_start(f.inputs);  // Note [Re-run attribution]
   if (grad_enabled) pending_inputs.clear();
   forward(f);
 }
@@ -239,7 +225,7 @@ void SanitizerImpl::end_iteration(bool backward_ran) {
     }
     // A foreign backward since its previous step (Note [Foreign backwards]): a step that moved
     // nothing, as its parameters got no gradient, is judged too.
-    judge = judge || foreign_total > foreign_at_step[opt];
+    judge = judge || foreign.since_step(opt);
     if (!judge) continue;
     if (const auto resumed = setup.binding->first_step_after_load(opt)) {
       events_seen.insert("optimizer_reset");
@@ -298,7 +284,9 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     }
   }
   checks.mode.on_forward(fv);
-  if (grad_enabled && training) window_forward(facts);
+  if (grad_enabled && training) {
+    for (Feed* f : feeds) f->on_forward(facts);  // Note [Feeders]
+  }
   if (grad_enabled && training) {
     fv.backwards_since_step = grads.training_forward(&fv.skipped);
     checks.integrity.on_forward(fv);
@@ -381,15 +369,14 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   audit->flush();
   TORCH_CHECK_TYPE(loss.defined(), "watch_loss: loss is an undefined tensor");
   check_tensors({loss}, "watch_loss");
-  walk_loss(loss);  // a LibTorch loop's: Note [Foreign backwards]
-  // Note [Accumulation windows]: a training loss outside an optimizer step (not a closure's).
-  if (loss.requires_grad() && !grads.in_step()) win_losses += 1;
+  // Note [Feeders]: a LibTorch loop's walk (Note [Foreign backwards]), a training loss of the
+  // accumulation window, the losses a re-run of the step compares.
+  for (Feed* f : feeds) f->on_loss(loss);
   LossView v;
   v.step = step;
   v.outcome = loss_seq;
   loss_waiting = true;
   v.in_step = grads.in_step();  // a closure's evaluation (LBFGS): nonfinite_loss only
-  if (error_start && error_start->step == step) error_start->losses.push_back(loss.detach());
   v.dtype = c10::toString(loss.scalar_type());
   if (v.dtype == "Half") v.dtype = "float16";
   if (v.dtype == "BFloat16") v.dtype = "bfloat16";
@@ -420,71 +407,6 @@ void SanitizerImpl::loss(const at::Tensor& loss) {
   add_overhead(seconds_since(t0));
 }
 
-void SanitizerImpl::check_updates_outside_step(int64_t opt) {
-  if (!opts.enabled("update_outside_step") || snapshots.empty() || closed || step == 0) return;
-  // Opt-in: one comparison per parameter against the snapshot of the previous step's end, and
-  // one read of the flags (a device sync on GPU) — hence off by default.
-  const auto t0 = Clock::now();
-  if (!opts.exact_updates) {
-    // Note [Update statistics without a snapshot]: each parameter's fingerprint now against the
-    // one of its sample (the previous step's end; on a GPU still on its way: waited for here,
-    // where the comparison waits for its own result anyway).
-    readback.drain_all();
-    std::map<std::pair<int, int>, std::vector<size_t>> by_device;
-    for (size_t i = 0; i < params.size() && i < snapshot_hash.size(); ++i) {
-      if ((opt >= 0 && params[i].opt != opt) || !snapshot_hash[i] || !snapshots[i].defined()) {
-        continue;
-      }
-      const at::Tensor& prm = params[i].data();
-      by_device[{static_cast<int>(prm.device().type()), prm.device().index()}].push_back(i);
-    }
-    std::vector<std::string> names;
-    for (const auto& [dev, idx] : by_device) {
-      std::vector<at::Tensor> ts;
-      for (const size_t i : idx) ts.push_back(params[i].data());
-      std::vector<TensorStats> st;
-      try {
-        st = unpack_stats(fingerprint_stats_packed(ts));
-      } catch (const c10::Error&) {
-        continue;  // a parameter the pass cannot read: the step pass says what is wrong with it
-      }
-      for (size_t k = 0; k < idx.size(); ++k) {
-        if (st[k].hash != *snapshot_hash[idx[k]]) names.push_back(params[idx[k]].name);
-      }
-    }
-    checks.integrity.on_step_begin(names, step);
-    add_overhead(seconds_since(t0));
-    return;
-  }
-  std::vector<size_t> idx;
-  std::vector<at::Tensor> flags;
-  {
-    const at::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (opt >= 0 && params[i].opt != opt) continue;
-      const at::Tensor& snap = snapshots[i];
-      const at::Tensor& prm = params[i].data();
-      if (!snap.defined() || snap.sizes() != prm.sizes() || snap.device() != prm.device() ||
-          snap.scalar_type() != prm.scalar_type()) {
-        continue;
-      }
-      idx.push_back(i);
-      // Bitwise comparison (NaN == NaN, -0 != +0): any changed element counts.
-      flags.push_back(at::ne(as_bits(prm.detach()), as_bits(snap)).any());
-    }
-  }
-  if (!flags.empty()) {
-    const at::Tensor changed = at::stack(flags).to(at::kCPU);
-    const bool* c = changed.const_data_ptr<bool>();
-    std::vector<std::string> names;
-    for (size_t k = 0; k < idx.size(); ++k) {
-      if (c[k]) names.push_back(params[idx[k]].name);
-    }
-    checks.integrity.on_step_begin(names, step);
-  }
-  add_overhead(seconds_since(t0));
-}
-
 void SanitizerImpl::loss_outcome(bool skipped) {
   if (!loss_waiting) return;
   loss_waiting = false;
@@ -496,12 +418,12 @@ void SanitizerImpl::scaler_step(const ScalerStep& s) {
   checks.loss.on_scaler();
   loss_outcome(s.skipped);
   scaler_skipped = scaler_skipped || s.skipped;
+  for (Feed* f : feeds) f->on_scaler(s.opt, s.skipped);  // a skipped step consumed its window
   if (s.skipped) {
-    window_end(step, s.opt, /*judged=*/true);  // the skipped step consumed its window
     grads.amp_skip(s.opt);
     amp_skips += 1;
     trace.amp_skip(step, s.opt);
-    if (replica_driver) replica_driver->on_event(s.opt, /*skipped=*/true);
+    for (Feed* f : feeds) f->after_step(s.opt, /*skipped=*/true);
   }
   trace.scaler(step, s.opt, s.scale, s.skipped);
   checks.precision.on_scaler(s, step);
@@ -529,7 +451,7 @@ void SanitizerImpl::gradients_cleared(int64_t opt) {
   } else {
     begin_rows.erase(opt);
   }
-  window_cleared(opt);
+  for (Feed* f : feeds) f->before_clear(opt);
   if (!opts.enabled("nonfinite_grad")) return;
   const auto t0 = Clock::now();
   const std::vector<size_t> idx = grads.discarded(opt);
@@ -600,12 +522,7 @@ int64_t SanitizerImpl::tracked_index(int64_t given, const char* what) const {
 Coverage SanitizerImpl::coverage_now() const {
   Coverage c = coverage;
   std::tie(c.audited_forwards, c.ops_audited) = audit->coverage();
-  const WindowsSeen w = checks.accumulation.seen();
-  c.window_declared = opts.accumulation_steps;
-  c.windows = w.counted;
-  c.window_backwards = w.common;
-  c.window_steps = w.at_common;
-  c.window_samples = w.samples;
+  for (const Feed* f : feeds) f->add_coverage(c);
   c.trace_rows_steps = trace.rows_records();
   c.trace_bytes = trace.bytes();
   c.trace_error = trace.error();
@@ -668,6 +585,8 @@ Coverage SanitizerImpl::coverage_now() const {
   return c;
 }
 
+ReplicaFeed& replica_feed(SanitizerImpl& impl) { return impl.replicas; }
+
 void SanitizerImpl::close() {
   if (closed) return;
   // Every part is closed, the hooks removed and the summary written even when a part before it
@@ -685,11 +604,8 @@ void SanitizerImpl::close() {
   });
   part([&] { audit->close(); });
   part([&] { readback.drain_all(); });
-  part([&] { checks.loss.flush(); });             // losses whose step never ended
-  part([&] { checks.accumulation.on_close(); });  // a short window pending: the run's last
-  part([&] {
-    if (replica_driver) replica_driver->finish();
-  });
+  part([&] { checks.loss.flush(); });               // losses whose step never ended
+  for (Feed* f : feeds) part([&] { f->close(); });  // Note [Feeders]
   part([&] { grads.remove(); });
   begin_rows.clear();
   closed = true;

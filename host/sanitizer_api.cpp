@@ -1,6 +1,6 @@
 // The public front door (trainsan::Sanitizer): each event hands its facts to SanitizerImpl
-// (sanitizer.cpp, sanitizer_pass.cpp) and ends by reporting the new findings with the policy's
-// answer (report()).
+// (sanitizer.cpp, sanitizer_pass.cpp) or to a family's feeder (feeds/) and ends by reporting the
+// new findings with the policy's answer (report()).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -61,7 +61,7 @@ Sanitizer::Sanitizer(const NamedTensors& named_parameters, Options options)
 Sanitizer::Sanitizer(std::vector<Parameter> parameters, Options options, Setup setup)
     : impl_(std::make_unique<host::SanitizerImpl>(std::move(parameters), std::move(options),
                                                   std::move(setup))) {
-  impl_->rerun_step = impl_->setup.rerun_step;  // set_rerun_step may replace it
+  impl_->reruns.rerun_step = impl_->setup.rerun_step;  // set_rerun_step may replace it
 }
 
 Sanitizer::~Sanitizer() {
@@ -82,9 +82,9 @@ void Sanitizer::report() {
   if (impl_->trace.take_new_error()) TORCH_WARN(impl_->trace.error());
   for (Finding f : impl_->store.take_fresh()) {
     // Re-run attribution of a LibTorch loop (Setup::rerun_step): before the policy acts.
-    if (impl_->rerun_step && !impl_->closed) {
+    if (impl_->reruns.rerun_step && !impl_->closed) {
       const RerunNeed need = rerun_needed(f);
-      if (need == RerunNeed::kRun) f = attribute(f, impl_->rerun_for(f));
+      if (need == RerunNeed::kRun) f = attribute(f, impl_->reruns.rerun_for(f));
       if (need == RerunNeed::kKnown) f = attribute(f, std::nullopt);
     }
     // A finding printed when it was found (an op about to fail on it) is not raised or printed
@@ -115,10 +115,10 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
       impl_->watch->arm();
       return;
     }
-    impl_->check_updates_outside_step(-1);
+    impl_->updates.check_outside_step(-1);
     report();
-    if (rerun_due()) impl_->capture_rerun_start();
-    impl_->capture_error_start(inputs);
+    if (rerun_due()) impl_->reruns.capture_rerun_start();
+    impl_->reruns.capture_error_start(inputs);
     ForwardFacts f;
     f.inputs = inputs;
     f.module_eval = module_eval;
@@ -128,7 +128,7 @@ void Sanitizer::begin_step(const std::vector<at::Tensor>& inputs,
 
 void Sanitizer::watch_loss(const at::Tensor& loss) {
   guarded(*impl_, "watch_loss", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->loss(loss);
     report();
   });
@@ -136,7 +136,7 @@ void Sanitizer::watch_loss(const at::Tensor& loss) {
 
 void Sanitizer::end_step(bool lr_zero) {
   guarded(*impl_, "end_step", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->scaler_skipped = false;  // a skip reported before it is this iteration's (resolved then)
     if (!impl_->watch) {
       step_end(0, lr_zero);
@@ -151,7 +151,7 @@ void Sanitizer::end_step(const at::Tensor& loss) { end_step(std::vector<at::Tens
 
 void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
   guarded(*impl_, "end_step", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     if (impl_->closed) return;
     bool backward_ran = false;
     for (const at::Tensor& loss : losses) {
@@ -174,14 +174,14 @@ void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
 
 void Sanitizer::forward(const ForwardFacts& facts) {
   guarded(*impl_, "forward", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->forward(facts);
     report();
   });
 }
 
 void Sanitizer::foreign_backward(const ForeignBackward& facts) {
-  guarded(*impl_, "foreign_backward", [&] { impl_->foreign_backward(facts); });
+  guarded(*impl_, "foreign_backward", [&] { impl_->foreign.foreign_backward(facts); });
 }
 
 bool Sanitizer::foreign_suspected() const {
@@ -197,11 +197,11 @@ void Sanitizer::backward_without_graph() {
 
 void Sanitizer::step_begin(int64_t opt, bool grads_final) {
   guarded(*impl_, "step_begin", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->grads.set_in_step(true);
-    impl_->record_versions(opt);
+    impl_->updates.record_versions(opt);
     impl_->read_grads_at_begin(opt, grads_final);  // Note [Gradients read at the step's beginning]
-    impl_->check_updates_outside_step(opt);
+    impl_->updates.check_outside_step(opt);
     impl_->stop_before_step(opt);
     report();
   });
@@ -209,7 +209,7 @@ void Sanitizer::step_begin(int64_t opt, bool grads_final) {
 
 void Sanitizer::step_end(int64_t opt, bool lr_zero, const std::vector<double>& group_lr) {
   guarded(*impl_, "step_end", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     impl_->step_end(opt, lr_zero, /*manual=*/false, group_lr);
     report();
   });
@@ -241,7 +241,7 @@ void Sanitizer::amp_skip(int64_t opt) {
 
 void Sanitizer::gradients_cleared(int64_t opt) {
   guarded(*impl_, "gradients_cleared", [&] {
-    const host::OwnClock clock(*impl_);  // Note [Own time]
+    const host::OwnClock clock(impl_->time);  // Note [Own time]
     if (impl_->closed) return;
     impl_->gradients_cleared(opt);
     report();
@@ -331,12 +331,12 @@ void Sanitizer::custom_grad_results(const std::vector<CustomGradResult>& results
   });
 }
 
-void Sanitizer::compare_replicas() { impl_->replicas = impl_->opts.enabled("rank_desync"); }
+void Sanitizer::compare_replicas() { impl_->replicas.enabled = impl_->opts.enabled("rank_desync"); }
 
 std::vector<StepFingerprints> Sanitizer::take_fingerprints(bool wait_all) {
   if (wait_all && !impl_->closed) impl_->readback.drain_all();
   std::vector<StepFingerprints> out;
-  out.swap(impl_->fingerprints);
+  out.swap(impl_->replicas.fingerprints);
   return out;
 }
 
@@ -379,6 +379,29 @@ void Sanitizer::rerun_result(const RerunFacts& facts) {
     impl_->checks.determinism.on_rerun(facts, impl_->step);
     report();
   });
+}
+
+void Sanitizer::rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step) {
+  TORCH_CHECK_VALUE(static_cast<bool>(step_fn), "Sanitizer::rerun: step_fn is empty");
+  if (!rerun_due()) return;
+  const std::optional<RerunFacts> facts = impl_->reruns.rerun(step_fn, step);
+  if (facts) {
+    rerun_result(*facts);
+  } else {
+    report();
+  }
+}
+
+Sanitizer::RerunNeed Sanitizer::rerun_needed(const Finding& f) const {
+  return impl_->attribution.need(f);
+}
+
+Finding Sanitizer::attribute(const Finding& f, const std::optional<RerunOutcome>& outcome) {
+  return impl_->attribution.attribute(f, outcome);
+}
+
+void Sanitizer::set_rerun_step(std::function<RerunRecord()> step_fn) {
+  impl_->reruns.rerun_step = std::move(step_fn);
 }
 
 bool Sanitizer::recompute_due() const {
@@ -449,6 +472,14 @@ void Sanitizer::trace_record(const std::string& json_object) {
 
 bool Sanitizer::gradcheck_step() const { return custom_grad_due(false); }
 
+void Sanitizer::check_custom_grad(const std::string& name, const TensorFunction& fn,
+                                  const std::vector<at::Tensor>& inputs) {
+  // Its first call (by name), then on the gradcheck_every steps.
+  if (!custom_grad_due(impl_->custom_grad.first_use(name))) return;
+  impl_->custom_grad.check(name, fn, inputs);
+  report();
+}
+
 bool Sanitizer::custom_grad_due(bool first_use) const {
   return !impl_->closed && !impl_->grads.in_step() && impl_->opts.enabled("bad_custom_grad") &&
          (first_use || impl_->checks.autograd.gradcheck_sampled(impl_->step));
@@ -474,11 +505,11 @@ std::map<std::string, TensorStats> Sanitizer::last_stats() const { return impl_-
 int64_t Sanitizer::step() const { return impl_->step; }
 
 int64_t Sanitizer::loss_reaches(const at::Tensor& loss) {
-  const host::OwnClock clock(*impl_);  // Note [Own time]
-  return impl_->loss_reaches(loss);
+  const host::OwnClock clock(impl_->time);  // Note [Own time]
+  return impl_->foreign.loss_reaches(loss);
 }
 
-double Sanitizer::overhead_seconds() const { return impl_->overhead_s; }
+double Sanitizer::overhead_seconds() const { return impl_->time.overhead_s; }
 
 bool Sanitizer::hooks_installed() const { return impl_->grads.installed(); }
 

@@ -1,6 +1,8 @@
-// Private state of trainsan::Sanitizer, shared by its own two files only (sanitizer.cpp: events
-// and orchestration; sanitizer_pass.cpp: the step pass and the StepView it feeds the checks).
-// Everything else in host/ talks to it through FindingSink, ReadbackQueue and plain values.
+// Private state of trainsan::Sanitizer, shared by its own three files only (sanitizer.cpp: events
+// and orchestration; sanitizer_pass.cpp: the step pass and the StepView it feeds the checks;
+// sanitizer_api.cpp: the front door). The families' own bookkeeping is in their feeders
+// (host/feeds/, Note [Feeders] in feeds/feed.h), which see it through FeedContext; everything else
+// in host/ talks to it through FindingSink, ReadbackQueue and plain values.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,15 +18,24 @@
 #include <vector>
 
 #include "audit.h"
-#include "checks/check.h"
+#include "checks/checks.h"
+#include "feeds/accumulation_feed.h"
+#include "feeds/attribution_feed.h"
+#include "feeds/custom_grad_feed.h"
+#include "feeds/feed.h"
+#include "feeds/foreign_feed.h"
+#include "feeds/replica_feed.h"
+#include "feeds/rerun_feed.h"
 #include "findings.h"
 #include "forward_watch.h"
 #include "grad_tracker.h"
 #include "overhead_budget.h"
+#include "own_time.h"
 #include "readback.h"
 #include "rng_state.h"
 #include "trace.h"
 #include "trainsan/sanitizer.h"
+#include "update_stats.h"
 
 namespace trainsan::host {
 
@@ -44,7 +55,6 @@ struct SanitizerImpl {
   void forward(const ForwardFacts& facts);
   void manual_boundary();
   void loss(const at::Tensor& loss);
-  void check_updates_outside_step(int64_t opt);
   void stop_before_step(int64_t opt);  // Note [Device stop] (option device_stop)
   void step_end(int64_t opt, bool lr_zero, bool manual,
                 const std::vector<double>& group_lr = {});  // sanitizer_pass.cpp
@@ -61,7 +71,9 @@ struct SanitizerImpl {
   void end_iteration(bool backward_ran);
   /// Sanitizer::backward_without_graph (Note [Mode rules]).
   void backward_without_graph();
-  void write_summary() { trace.summary(step, amp_skips, overhead_s, store.all(), coverage_now()); }
+  void write_summary() {
+    trace.summary(step, amp_skips, time.overhead_s, store.all(), coverage_now());
+  }
   void close();
   Coverage coverage_now() const;
   // `given` (an index into the caller's parameter list) as an index into `params`, -1 for one
@@ -71,36 +83,13 @@ struct SanitizerImpl {
   // The step pass (sanitizer_pass.cpp).
   struct Pass;
   void check_pass(const Pass& p, const std::vector<HostCopy>& copies);
-  void initial_param_norms();
 
-  // Note [Own time]
-  // ~~~~~~~~~~~~~~~~
-  // TrainSan's own time (overhead_seconds(), the trace's overhead_ms, the budget's measure of
-  // Note [Overhead budget]) is taken whole at the per-step entries: an OwnClock on the stack of
-  // forward, watch_loss, loss_reaches, step_begin, step_end, gradients_cleared and end_step
-  // counts all of the call (checks, readback, report) once, and the timed sections inside it
-  // (add_overhead) then add nothing. Elsewhere those sections count as before. Time spent outside
-  // any entry is added as measured by whoever spent it (add_outside: the op audit's dispatcher
-  // hooks, the Python side's own time, which the bindings pass in). The budget and the step
-  // record read the clock up to now (flush_clock) so that the running entry's time counts for
-  // its own step. Before this only sections were timed, and the Python side timed the forward's
-  // C++ call besides: what ran outside the sections (the checks' reports, report() and its
-  // callback) was missed and the forward's sections counted twice.
-  void add_overhead(double s) {
-    if (clock_depth == 0) add_outside(s);
-  }
-  void add_outside(double s) {
-    overhead_s += s;
-    step_overhead_s += s;
-  }
-  void flush_clock() {
-    if (clock_depth == 0) return;
-    const auto now = std::chrono::steady_clock::now();
-    add_outside(std::chrono::duration<double>(now - clock_mark).count());
-    clock_mark = now;
-  }
-  int clock_depth = 0;  // OwnClocks on the stack
-  std::chrono::steady_clock::time_point clock_mark{};
+  // Note [Own time] (own_time.h): add_overhead for a timed section, add_outside for time spent
+  // outside any entry.
+  void add_overhead(double s) { time.add_overhead(s); }
+  void add_outside(double s) { time.add_outside(s); }
+  void flush_clock() { time.flush_clock(); }
+  OwnTime time;
 
   // --- configuration ---
   const Options opts;
@@ -126,19 +115,6 @@ struct SanitizerImpl {
   std::map<int64_t, int64_t> opt_steps;  // steps per optimizer (-1: manual mode)
   bool closed = false;
   std::vector<int64_t> in_flight;  // optimizers whose step was in flight at attach (step_in_flight)
-  // Note [Overhead budget]: which steps get update statistics; per optimizer, the step whose
-  // pass last wrote the snapshots of its parameters (-1: at attach).
-  OverheadBudget budget{opts.enabled("update_outside_step") ? 0.0 : opts.overhead_budget,
-                        opts.overhead_warmup};
-  std::map<int64_t, int64_t> snapshot_step;
-  // Note [Version trigger] (overhead_budget.h): per optimizer, its parameters' version counters at
-  // its step's begin (-1: no gradient then), whether its previous step left one of them unmoved,
-  // and the step a trigger made an update step.
-  std::map<int64_t, std::vector<int64_t>> versions_at_begin;
-  std::map<int64_t, bool> unmoved_last;
-  std::map<int64_t, int64_t> forced_update;
-  void record_versions(int64_t opt);
-  bool versions_unmoved(int64_t opt);
   // Note [Gradients read at the step's beginning] (sanitizer_pass.cpp): per optimizer, the lean
   // rows of its gradients read at its step's begin, and which gradient (tensor and version) each
   // row is of; the step end uses a row where the gradient is still that tensor at that version.
@@ -160,23 +136,6 @@ struct SanitizerImpl {
   Coverage coverage;  // what was checked (Sanitizer::coverage)
   // Note [Faults] (sanitizer_api.cpp): the internal error after which it stopped checking, or "".
   std::string fault;
-  // Previous parameter values (track_updates): each a full copy with exact_updates, else its
-  // sample (Note [Update sample]); and the fingerprint of the parameter when its snapshot was
-  // written (Note [Update statistics without a snapshot]; nullopt where not known).
-  std::vector<at::Tensor> snapshots;
-  std::vector<std::optional<uint64_t>> snapshot_hash;
-  /// A parameter's update statistics read from its sample: scaled to the whole tensor, and exact
-  /// where the fingerprints say the step changed nothing; `now` is its row of this pass (the
-  /// fingerprint is then that of its new snapshot).
-  void sampled_update(size_t i, const TensorStats& now, const std::optional<TensorStats>& grad,
-                      std::optional<UpdateStats>& update);
-  static constexpr int64_t kUnseenSparse = 8;
-  // ||theta|| of each parameter as of its previous pass (at attach before the first): the
-  // denominator of the update ratio, which must be the norm *before* the step (NaN: unknown).
-  std::vector<double> prev_param_l2;
-  // Each parameter's latest measured statistics (Note [Every-step tier]: steps without a
-  // parameter pass show these, marked not measured).
-  std::vector<TensorStats> param_stats;
   std::map<std::string, TensorStats> last;  // last_stats()
   std::optional<double> last_loss;          // the latest loss read back, for the next step record
   // Sanitizer::headroom_due's verdict for step headroom_step (Note [Bounded trace]).
@@ -199,33 +158,7 @@ struct SanitizerImpl {
     const auto own = it == forwards_of_opt.end() ? std::pair<int64_t, int64_t>{0, 0} : it->second;
     return {grad_forwards_total + own.first, no_grad_train_forwards_total + own.second};
   }
-  // Note [Foreign backwards]: such backwards so far, the latest one, and the count at each
-  // optimizer's previous step (-1: manual mode).
-  int64_t foreign_total = 0;
-  ForeignBackward foreign_latest;
-  std::map<int64_t, int64_t> foreign_at_step;
-  std::vector<const void*> param_impls;  // walk_loss: the parameters' TensorImpls, sorted
-  void foreign_backward(const ForeignBackward& facts);
-  /// A LibTorch loss (Setup::gathers_events false): its graph walked as Note [Loss roots] does in
-  /// Python, reported to foreign_backward when it reaches none of our parameters.
-  void walk_loss(const at::Tensor& loss);
-  // The walk from `loss` (Note [Foreign backwards]): 1 when it reaches one of the parameters, 0
-  // when it ends without (the other leaves counted in *f), -1 out of budget or no graph.
-  int walk(const at::Tensor& loss, ForeignBackward* f);
-  int loss_reaches(const at::Tensor& loss);
-  // Note [Accumulation windows]: since the previous optimizer step (outside steps), training
-  // losses and training forwards, the forwards' batch sizes summed (-1: one unknown), the first
-  // one's and whether all were equal; the latest known data loader pass.
-  int64_t win_losses = 0;
-  int64_t win_forwards = 0;
-  int64_t win_samples = 0;
-  int64_t win_batch = -1;
-  bool win_uniform = true;
-  int64_t win_pass = -1;
-  void window_forward(const ForwardFacts& facts);              // sanitizer_window.cpp
-  int64_t window_end(int64_t step, int64_t opt, bool judged);  // the step's count of backwards
-  void window_cleared(int64_t opt);  // zero_grad outside a step (sanitizer_window.cpp)
-  int64_t no_grad_site_step = -1;    // the step whose no_grad forward's caller was looked up
+  int64_t no_grad_site_step = -1;  // the step whose no_grad forward's caller was looked up
   int64_t input_hash_step = -1;
   std::map<int64_t, uint64_t> input_hashes;   // step -> its inputs' fingerprint (the latest few)
   std::map<int64_t, uint64_t> target_hashes;  // step -> its loss targets' fingerprint
@@ -238,77 +171,29 @@ struct SanitizerImpl {
   int64_t loss_seq = 0;
   bool loss_waiting = false;
   bool scaler_skipped = false;
-  // rank_desync (compare_replicas, when enabled): the fingerprints of the passes checked since
-  // they were last taken.
-  bool replicas = false;
-  std::vector<StepFingerprints> fingerprints;
-  // The comparison itself where this library runs it (trainsan::compare_replicas over a c10d
-  // process group, replicas_pg.cpp); told of every step event, and finished by close().
-  struct ReplicaDriver {
-    virtual ~ReplicaDriver() = default;
-    virtual void on_event(int64_t opt, bool skipped) = 0;  // after the event's pass
-    virtual void finish() = 0;                             // close(): compare what is pending
-  };
-  std::unique_ptr<ReplicaDriver> replica_driver;
-  // nondeterminism (Sanitizer::rerun, rerun.cpp): what begin_step() found on a step due for a
-  // re-run, the state each re-run starts from.
-  struct RerunStart {
-    int64_t step = -1;
-    RngState rng;
-    std::vector<at::Tensor> buffers;  // copies of Setup::buffers
-  };
-  std::optional<RerunStart> rerun_start;
-  void capture_rerun_start();
-  // Re-run attribution (Options::rerun_on_error; Note [Re-run attribution] in
-  // checks/attribution.cpp; attribution.cpp). A LibTorch loop's step (Setup::rerun_step): the
-  // state its training forward started from, its inputs and the losses it watched.
-  struct ErrorStart {
-    int64_t step = -1;
-    RngState rng;
-    std::vector<at::Tensor> buffers;  // copies of Setup::buffers
-    std::vector<at::Tensor> inputs;   // references (the batch's fingerprint)
-    std::vector<at::Tensor> losses;   // detached references, in the order watched
-    int64_t forwards = 0;
-  };
-  std::optional<ErrorStart> error_start;
-  void capture_error_start(const std::vector<at::Tensor>& inputs);
-  RerunOutcome rerun_for(const Finding& f);  // runs rerun_step once
-  std::function<RerunRecord()> rerun_step;   // Setup::rerun_step, or set_rerun_step's
-  int64_t attribution_reruns = 0;            // re-runs made (at most opts.rerun_on_error)
-  // step -> the kind whose re-run it had and the verdict (the last few steps)
-  std::map<int64_t, std::pair<std::string, RerunVerdict>> attributed;
-  std::set<std::string> attribution_answered;  // kind + "\x1f" + tensor
-  double overhead_s = 0.0;                     // total measured
-  double step_overhead_s = 0.0;                // since the last step record
 
   // The kinds of kinds.def whose `event` arrived at least once (coverage: an event kind that
   // never had its event is unchecked, for a caller that does not gather them itself).
   std::set<std::string> events_seen;
-  // Custom functions check_custom_grad has measured (bad_custom_grad: each at its first call).
-  std::set<std::string> custom_grad_checked;
   // trainsan::attach: begin_step()'s inputs, for the forward the watch sees next.
   std::vector<at::Tensor> pending_inputs;
+
+  // The feeders (Note [Feeders]): what each sees of this sanitizer, each by name, and all of them
+  // in the order the shared events reach them.
+  FeedContext ctx{opts, setup,    params,      checks, grads,     store,  trace,
+                  time, coverage, events_seen, step,   opt_steps, closed, watch};
+  UpdateStatistics updates{ctx, readback};  // the step pass's update statistics
+  ForeignFeed foreign{ctx};
+  AccumulationFeed accumulation{ctx};
+  RerunFeed reruns{ctx};
+  AttributionFeed attribution{ctx};
+  CustomGradFeed custom_grad{ctx};
+  ReplicaFeed replicas{ctx};
+  const std::vector<Feed*> feeds{&foreign, &accumulation, &reruns, &replicas};
 
   // Last members: destroyed first, so no observer sees a half-gone sanitizer.
   std::unique_ptr<OpAudit> audit;
   std::unique_ptr<ForwardWatch> watch;  // with Setup::binding
-};
-
-// Note [Own time]: times a per-step entry whole (nested entries count once).
-class OwnClock {
- public:
-  explicit OwnClock(SanitizerImpl& im) : im_(im) {
-    if (im_.clock_depth++ == 0) im_.clock_mark = std::chrono::steady_clock::now();
-  }
-  ~OwnClock() {
-    im_.flush_clock();
-    --im_.clock_depth;
-  }
-  OwnClock(const OwnClock&) = delete;
-  OwnClock& operator=(const OwnClock&) = delete;
-
- private:
-  SanitizerImpl& im_;
 };
 
 }  // namespace trainsan::host

@@ -1,6 +1,8 @@
 // The step pass: one fused statistics pass per device over the stepping optimizer's gradients,
 // parameters and snapshot, queued for read-back (Note [Lagged checks]); when it lands, the
 // StepView that every check family reads, last_stats() and the trace's step record.
+// Which steps get update statistics, the snapshots and the per-parameter figures kept between
+// passes are UpdateStatistics' (update_stats.cpp).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -43,9 +45,7 @@ struct SanitizerImpl::Pass {
   std::vector<size_t> eval_modules;
   int64_t grad_forwards = 0;
   int64_t no_grad_train_forwards = 0;
-  int64_t foreign_backwards = 0;  // Note [Foreign backwards]
-  ForeignBackward foreign;
-  int64_t backwards = -1;  // Note [Accumulation windows]; -1: manual mode
+  StepEnd fed;  // the feeders' facts (Note [Feeders]): foreign backwards, the window's backwards
 };
 
 namespace {
@@ -154,38 +154,6 @@ GradsByDevice grads_by_device(const std::vector<TrackedParam>& params, int64_t o
 
 }  // namespace
 
-void SanitizerImpl::initial_param_norms() {
-  prev_param_l2.assign(params.size(), std::nan(""));
-  param_stats.assign(params.size(), TensorStats{});
-  for (size_t i = 0; i < params.size(); ++i) param_stats[i].numel = params[i].data().numel();
-  if (!opts.track_updates) return;
-  snapshots.resize(params.size());
-  snapshot_hash.assign(params.size(), std::nullopt);
-  const at::NoGradGuard no_grad;
-  std::map<DevKey, std::vector<size_t>> groups;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].param.requires_grad()) {
-      snapshots[i] = make_update_snapshot(params[i].data(), opts.exact_updates);
-    }
-    groups[key_of(params[i].data())].push_back(i);
-  }
-  // Norms before the first step, for the first update ratio: one fused pass per device.
-  for (const auto& [dev, idx] : groups) {
-    std::vector<at::Tensor> ts;
-    for (const size_t i : idx) ts.push_back(params[i].data().detach());
-    try {
-      const std::vector<TensorStats> st = unpack_stats(tensor_stats_packed(ts));
-      for (size_t j = 0; j < idx.size(); ++j) {
-        if (st[j].nonfinite() == 0) prev_param_l2[idx[j]] = st[j].l2;
-        param_stats[idx[j]] = st[j];
-        if (snapshots[idx[j]].defined()) snapshot_hash[idx[j]] = st[j].hash;
-      }
-    } catch (const c10::Error&) {
-      // unsupported dtype: the first ratio of these parameters stays unknown
-    }
-  }
-}
-
 void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
                              const std::vector<double>& group_lr) {
   const auto t0 = Clock::now();
@@ -221,10 +189,6 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     p->no_grad_train_forwards = no_grad_now - no_grad_at;
     grad_at = grad_now;
     no_grad_at = no_grad_now;
-    int64_t& foreign_at = foreign_at_step[key];
-    p->foreign_backwards = foreign_total - foreign_at;
-    p->foreign = foreign_latest;
-    foreign_at = foreign_total;
   }
   for (size_t i = 0; i < params.size(); ++i) {
     // A step covers its optimizer's parameters and those in no optimizer
@@ -233,7 +197,11 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     if (!manual && opt >= 0 && params[i].opt != opt && !orphan) continue;
     p->indices.push_back(i);
   }
-  if (!manual) p->backwards = window_end(p->step, opt, /*judged=*/!p->partial);
+  p->fed.step = p->step;
+  p->fed.opt = opt;
+  p->fed.manual = manual;
+  p->fed.partial = p->partial;
+  for (Feed* f : feeds) f->on_step_end(p->fed);  // Note [Feeders]
   grads.consume(p->indices, manual, &p->consumed);
   std::vector<HostCopy> copies;
   bool with_snapshot = false;
@@ -247,30 +215,16 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     // Note [Every-step tier]: elsewhere the gradients get the lean rows of Note [Lean rows].
     // Note [Bounded trace]: the steps whose records hold per-tensor rows for a reason known now.
     p->hashed = opts.fingerprints || trace.rows_due(p->step);
-    p->replica = replicas && checks.replicas.fingerprint_due(p->step);
+    p->replica = replicas.enabled && checks.replicas.fingerprint_due(p->step);
     p->replica_grads = p->replica && checks.replicas.grads_due(p->step);
-    // Note [Overhead budget]: the snapshot is written at a step with update statistics and at the
-    // step before one; the update is reported where the snapshot is from the step just before.
-    const int64_t opt_key = manual ? -1 : opt;
-    const auto last_snap = snapshot_step.find(opt_key);
-    const bool fresh = (last_snap == snapshot_step.end() ? -1 : last_snap->second) == p->step - 1;
-    // Note [Version trigger]: a step that wrote none of some parameter with a gradient makes the
-    // next step an update step (this one writes its snapshot).
-    const bool unmoved = !manual && versions_unmoved(opt);
-    const bool trigger = unmoved && !lr_zero && !p->partial;
-    if (trigger) forced_update[opt_key] = p->step + 1;
-    const auto forced = forced_update.find(opt_key);
-    const bool due =
-        budget.update_due(p->step) || (forced != forced_update.end() && forced->second == p->step);
-    const bool due_next = trigger || budget.update_due(p->step + 1);
-    with_snapshot = opts.track_updates && (due || due_next);
+    // Note [Overhead budget], Note [Version trigger]: update statistics on this step or the next.
+    const UpdatePlan up = updates.plan(p->step, opt, manual, lr_zero, p->partial);
+    with_snapshot = up.with_snapshot;
     p->with_snapshot = with_snapshot;
     // Note [Every-step tier]: the parameters are read with the update statistics (the step that
     // writes the snapshot and the step that reads it), on traced and replica steps.
-    p->with_params = due || due_next || p->hashed || p->replica;
-    // A partial step's snapshot is from attach, inside the step: its update is not the step's.
-    p->report_update = with_snapshot && due && fresh && !p->partial;
-    if (with_snapshot) snapshot_step[opt_key] = p->step;
+    p->with_params = up.read_params || p->hashed || p->replica;
+    p->report_update = up.report_update;
     std::map<DevKey, std::vector<int64_t>> global_rows;
     int64_t row = 0;
     auto push = [&](const at::Tensor& t, const at::Tensor& snap, kn::PassMode mode) {
@@ -317,14 +271,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
     for (size_t k = 0; k < n && p->with_params; ++k) {
       const size_t i = p->indices[k];
       const at::Tensor& prm = params[i].data();
-      at::Tensor snap = with_snapshot && i < snapshots.size() ? snapshots[i] : at::Tensor();
-      if (snap.defined() &&
-          (snap.device() != prm.device() ||
-           snap.numel() != update_snapshot_numel(prm.numel(), opts.exact_updates) ||
-           snap.scalar_type() != prm.scalar_type())) {
-        snap = at::Tensor();  // the parameter was replaced; start a new snapshot
-        snapshots[i] = make_update_snapshot(prm, opts.exact_updates);
-      }
+      const at::Tensor snap = with_snapshot ? updates.snapshot_for(i, prm) : at::Tensor();
       // Note [Update statistics without a snapshot]: the fingerprints say exactly whether a
       // tensor changed, so the passes that write or read a sample compute them.
       const bool fingerprint = p->hashed || p->replica || (with_snapshot && !opts.exact_updates);
@@ -361,24 +308,13 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   flush_clock();        // this entry's time so far is this step's (Note [Own time])
   const auto now = Clock::now();
   if (last_step_end != Clock::time_point{}) {
-    budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
-                   overhead_s - overhead_at_last_step_end, p->with_params);
+    updates.budget.observe(std::chrono::duration<double>(now - last_step_end).count(),
+                           time.overhead_s - overhead_at_last_step_end, p->with_params);
   }
   last_step_end = now;
-  overhead_at_last_step_end = overhead_s;
-  coverage.update_period = budget.period();
-  if (replica_driver) replica_driver->on_event(manual ? -1 : opt, /*skipped=*/false);
-}
-
-void SanitizerImpl::record_versions(int64_t opt) {
-  if (closed || budget.budget() <= 0.0) return;  // no budget: every step has update statistics
-  std::vector<int64_t>& v = versions_at_begin[opt];
-  v.assign(params.size(), -1);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& prm = params[i].param;
-    if (params[i].opt != opt || !prm.requires_grad() || !prm.grad().defined()) continue;
-    v[i] = static_cast<int64_t>(prm._version());
-  }
+  overhead_at_last_step_end = time.overhead_s;
+  coverage.update_period = updates.budget.period();
+  for (Feed* f : feeds) f->after_step(manual ? -1 : opt, /*skipped=*/false);
 }
 
 // Note [Gradients read at the step's beginning]
@@ -406,7 +342,7 @@ void SanitizerImpl::record_versions(int64_t opt) {
 // dropped at the next begin of that optimizer, at its gradients' clearing and at close.
 void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   begin_rows.erase(opt);
-  if (!grads_final || closed || opts.fingerprints || replicas) return;
+  if (!grads_final || closed || opts.fingerprints || replicas.enabled) return;
   if (trace.is_open()) {  // the steps fingerprinted for the trace's rows (Note [Bounded trace])
     const auto it = opt_steps.find(opt);
     const int64_t upcoming = it == opt_steps.end() ? 0 : it->second;
@@ -433,23 +369,6 @@ void SanitizerImpl::read_grads_at_begin(int64_t opt, bool grads_final) {
   }
   if (!b.of.empty()) begin_rows[opt] = std::move(b);
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
-}
-
-bool SanitizerImpl::versions_unmoved(int64_t opt) {
-  const auto it = versions_at_begin.find(opt);
-  if (it == versions_at_begin.end()) return false;  // no pre-hook for this step
-  const std::vector<int64_t> before = std::move(it->second);
-  versions_at_begin.erase(it);
-  bool unmoved = false;
-  for (size_t i = 0; i < before.size() && i < params.size() && !unmoved; ++i) {
-    unmoved = before[i] >= 0 && static_cast<int64_t>(params[i].param._version()) == before[i];
-  }
-  // Only the first step of a run of such steps: an optimizer that writes through .data (no
-  // version moves, LibTorch's SGD) or skips a tensor on purpose costs one update step, not all.
-  bool& last = unmoved_last[opt];
-  const bool first = unmoved && !last;
-  last = unmoved;
-  return first;
 }
 
 // Note [Device stop] (kernels/stats.cu) with option device_stop: before optimizer `opt` steps, a
@@ -489,93 +408,6 @@ void SanitizerImpl::stop_before_step(int64_t opt) {
   add_overhead(std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
-// Note [Update statistics without a snapshot]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The update statistics (||dtheta||, max |dtheta|, the elements a step changed) used to compare
-// every parameter with a full copy of its previous values: +100% of the weights' memory, +25% of
-// a mixed-precision Adam job's. Unless exact_updates asks for that copy, they are taken from
-// bounded state instead (at most kUpdateSampleCap = 4096 elements a tensor, 16 KiB in float32,
-// whatever the model's size; none of it allocated per step):
-//   - whether a tensor changed at all, exactly: its fingerprint (the pass's hash, Note [Hash]:
-//     any changed bit changes it, a collision is a 2^-64 event) at the pass that wrote its sample
-//     against the fingerprint now. The passes that write or read a sample compute the
-//     fingerprints of the parameters (on CUDA free, on CPU about the pass's arithmetic again;
-//     the overhead budget measures and samples these passes like any other);
-//   - how much, from the sample of Note [Update sample] (kernels/stats.h): a tensor of n <= 4096
-//     elements is kept whole (its figures are exact); a larger one keeps m = ceil(n / s) elements
-//     with s = ceil(n / 4096), one per stratum of s consecutive elements at a hashed offset.
-//     changed = (changed in the sample) * n / m and ||dtheta|| = (its norm in the sample) *
-//     sqrt(n / m); max |dtheta| is the sample's largest (a lower bound). Stratified with one
-//     element a stratum, the estimates are unbiased but for the last, shorter stratum (weight
-//     < 1/m), and their relative standard error is at most sqrt((1 - f) / (f m)) for a changed
-//     fraction f (0.8% at f = 1/2, m = 4096) and about CV(dtheta^2) / (2 sqrt(m)) for the norm
-//     (1.1% for Gaussian updates, less where neighbouring updates are alike: stratification
-//     removes the variance between strata).
-// What each rule reads, and why none loses a bug the copy found:
-//   - skipped_step "changed no parameter" and "left <tensor> unchanged" read changed == 0,
-//     which the fingerprints keep exact (a tensor whose fingerprint moved while none of its
-//     sampled elements did has changed >= 1, marked `unseen`: a sparse update, e.g. embedding
-//     rows, is never "unchanged"). The largest move of a step, which bounds the predicted move of
-//     an unchanged tensor, is the sample's: at most the exact one, so the rule can only become
-//     more cautious (it needs the predicted move above 4 ulp of the weights, which real learning
-//     rates exceed by orders of magnitude); `unseen` tensors (whose max is unknown) are left out
-//     of that largest move and of the learning rate it estimates when a group has none;
-//   - update_ratio reads ||dtheta|| / ||theta||, judged against a band of orders of magnitude
-//     ([1e-8, 1]) for update_ratio_steps steps in a row: a 1-2% error cannot move a verdict
-//     except at the band's edge. A tensor that changed while none of its sampled elements did
-//     is one of two cases, told apart by its gradient's nonzero elements nz (exact, from the
-//     gradient's row): with nz below 8 strides (fewer than 8 sampled elements expected to have a
-//     gradient: embedding rows under SGD) the change is sparse and its size unknown (`unseen`),
-//     the ratio is a lower bound and the low end of the band is not judged on that step; with a
-//     denser gradient the step left almost all of those elements unchanged — updates rounded
-//     away, a learning rate far too low — and the estimate (0) stands, so that bug is found;
-//   - update_underflow reads the fraction of elements with a nonzero gradient that the step left
-//     unchanged, against update_underflow_fraction (0.5), for update_underflow_steps (3) measured
-//     steps in a row: judged on a sampled tensor only when its nonzero gradient elements are at
-//     least 64 strides (>= 64 of them expected in the sample, a standard error of at most ~6% on
-//     the fraction; the rule's cases — bf16 weights under a small learning rate, dense gradients
-//     — leave 90-100% unchanged); a sparser gradient (a bf16 embedding's few rows) is not judged
-//     from the sample (the exact copy judges it);
-//   - update_outside_step compares each parameter's fingerprint at the step's begin with the one
-//     at the previous step's end (check_updates_outside_step): exact, as the copy was;
-//   - the trace's per-tensor update rows carry the estimates (docs/trace.md says which fields).
-// exact_updates keeps the full copy (exact per-element figures, the parameters' size in memory).
-void SanitizerImpl::sampled_update(size_t i, const TensorStats& now,
-                                   const std::optional<TensorStats>& grad,
-                                   std::optional<UpdateStats>& update) {
-  if (i >= snapshot_hash.size()) return;
-  std::optional<uint64_t>& before = snapshot_hash[i];
-  if (update) {
-    const int64_t n = now.numel;
-    const int64_t stride = update_sample_stride(n);
-    if (stride > 1) {
-      const double scale =
-          static_cast<double>(n) / static_cast<double>(kn::num_samples_of(n, stride));
-      update->sampled = true;
-      update->stride = stride;
-      update->changed =
-          std::min<int64_t>(n, std::llround(static_cast<double>(update->changed) * scale));
-      update->l2 *= std::sqrt(scale);
-    }
-    if (before && *before == now.hash) {
-      const bool sampled = update->sampled;
-      *update = UpdateStats{};
-      update->sampled = sampled;
-      update->stride = stride;
-    } else if (before && update->changed == 0) {
-      // Changed, though no sampled element did. Explained by a sparse gradient (fewer than
-      // kUnseenSparse sampled elements expected to have one: embedding rows, a masked loss),
-      // ||dtheta|| is unknown (a lower bound); with a dense gradient the step changed a few of
-      // its elements at most — updates rounded away, the estimate 0 stands (a learning rate far
-      // too low is exactly this).
-      update->changed = 1;
-      const int64_t nz = grad ? grad->numel - grad->zero : -1;
-      update->unseen = nz < 0 || nz < kUnseenSparse * stride;
-    }
-  }
-  before = now.hash;
-}
-
 void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copies) {
   TRAINSAN_NVTX_RANGE("trainsan/checks");
   const auto t0 = Clock::now();
@@ -592,8 +424,8 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.eval_modules = p.eval_modules;
   v.grad_forwards = p.grad_forwards;
   v.no_grad_train_forwards = p.no_grad_train_forwards;
-  v.foreign_backwards = p.foreign_backwards;
-  v.foreign = p.foreign;
+  v.foreign_backwards = p.fed.foreign_backwards;
+  v.foreign = p.fed.foreign;
   v.params.resize(p.indices.size());
   for (size_t k = 0; k < p.indices.size(); ++k) {
     const size_t i = p.indices[k];
@@ -606,18 +438,11 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     pv.observed = p.consumed[k].observed;
     pv.grad_at_step = p.consumed[k].at_step;
     if (p.grad_row[k] >= 0) pv.grad = rows[static_cast<size_t>(p.grad_row[k])].stats;
-    pv.param_l2_before = prev_param_l2[i];
     if (p.param_row[k] >= 0) {
       const Row& pr = rows[static_cast<size_t>(p.param_row[k])];
-      pv.param = pr.stats;
-      pv.update = pr.update;
-      if (p.with_snapshot && !opts.exact_updates) sampled_update(i, pr.stats, pv.grad, pv.update);
-      param_stats[i] = pr.stats;
-      prev_param_l2[i] = pr.stats.nonfinite() == 0 ? pr.stats.l2 : std::nan("");
-    } else {  // Note [Every-step tier]: the latest measurement, not this step's
-      pv.param = param_stats[i];
-      pv.param.numel = params[i].data().numel();
-      pv.param_measured = false;
+      updates.fill(pv, i, &pr.stats, pr.update, p.with_snapshot);
+    } else {
+      updates.fill(pv, i, nullptr, std::nullopt, p.with_snapshot);
     }
     const int64_t grp = params[i].group;
     if (pv.opt == p.opt && grp >= 0 && static_cast<size_t>(grp) < p.group_lr.size()) {
@@ -637,7 +462,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
       fp.has_grad.push_back(g);
       fp.grad.push_back(g ? static_cast<int64_t>(pv.grad->hash) : 0);
     }
-    fingerprints.push_back(std::move(fp));
+    replicas.fingerprints.push_back(std::move(fp));
   }
   if (!p.hashed) {  // fingerprints only for the replica comparison: not in last_stats/the trace
     for (ParamView& pv : v.params) {
@@ -686,8 +511,8 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     rec.update_stats = v.totals.any_update;
     rec.params_read = p.with_params;
     flush_clock();  // Note [Own time]
-    rec.overhead_s = step_overhead_s;
-    rec.backwards = p.backwards;
+    rec.overhead_s = time.step_overhead_s;
+    rec.backwards = p.fed.backwards;
     rec.totals = v.totals;
     if (const auto it = input_hashes.find(p.step); it != input_hashes.end()) {
       rec.inputs = it->second;
@@ -699,7 +524,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
     last_loss.reset();
     rec.digest = grads_digest(v);
     trace.step(std::move(rec));
-    step_overhead_s = 0.0;
+    time.step_overhead_s = 0.0;
   }
 }
 

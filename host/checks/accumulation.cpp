@@ -1,9 +1,9 @@
 // accumulation_mismatch: the declared gradient accumulation window (Options::accumulation_steps)
 // against the backward passes each optimizer step followed.
+#include "checks/accumulation.h"
+
 #include <algorithm>
 #include <string>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 
@@ -21,7 +21,7 @@ namespace trainsan::host {
 // summed, where the forwards and the backwards agree. A zero_grad() outside a step that clears
 // gradients of the window (a guard that discards a bad micro-batch's window, a GAN's
 // discriminator gradients left by the generator's backward) starts the window again
-// (SanitizerImpl::window_cleared, host/sanitizer_window.cpp).
+// (AccumulationFeed::before_clear, host/feeds/accumulation_feed.cpp).
 //
 // Declared windows (accumulation_steps = N, which the Hugging Face and Lightning callbacks set
 // from the trainer's own setting): a step after N backwards keeps it. A step after more is an

@@ -1,6 +1,7 @@
 // Re-run attribution: does the step of a non-finite loss or gradient, or of a loss spike,
 // reproduce it when re-run from the same inputs, RNG state and buffers? Torch-free: the callers
-// (host/attribution.cpp for LibTorch loops, bindings/trainsan/attribution.py) gather the facts.
+// (host/feeds/attribution_feed.cpp and rerun_feed.cpp for LibTorch loops,
+// bindings/trainsan/attribution.py) gather the facts.
 #include <string>
 
 #include "trainsan/determinism_facts.h"

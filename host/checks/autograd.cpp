@@ -2,12 +2,12 @@
 // The facts come from the caller's hooks (bindings/trainsan/autograd_checks.py): a saved tensor
 // whose values changed while its version counter did not, and directional finite-difference
 // figures of a custom Function's backward. The rules and their wording are here.
+#include "checks/autograd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
 #include <sstream>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

@@ -1,7 +1,7 @@
 // bad_checkpoint: a checkpoint whose numbers or structure would not resume the run it came from.
-#include <sstream>
+#include "checks/checkpoint.h"
 
-#include "checks/check.h"
+#include <sstream>
 
 namespace trainsan::host {
 

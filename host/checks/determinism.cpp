@@ -1,9 +1,9 @@
 // nondeterminism: the same step, re-run on the same batch with the same RNG state, gave other bits;
 // or an activation-checkpointed region, recomputed in the backward, gave other bits than its
 // forward.
-#include <algorithm>
+#include "checks/determinism.h"
 
-#include "checks/check.h"
+#include <algorithm>
 
 namespace trainsan::host {
 
@@ -21,8 +21,8 @@ namespace trainsan::host {
 // are state that changes between calls (a counter, a cache, a generator of the module's own).
 // The buffers and the RNG are put back as the step left them: the re-runs change nothing the
 // training sees. The comparison itself (compare_reruns, below) is torch-free: it reads the
-// fingerprints both callers gather — Sanitizer::rerun (host/rerun.cpp) and the Python package's
-// forward hooks (bindings/trainsan/determinism.py).
+// fingerprints both callers gather — Sanitizer::rerun (host/feeds/rerun_feed.cpp) and the Python
+// package's forward hooks (bindings/trainsan/determinism.py).
 
 // Note [Recompute checks]
 // ~~~~~~~~~~~~~~~~~~~~~~~~

@@ -1,8 +1,8 @@
 // missing_grad, stale_grad, param_not_in_optimizer and grad_vanishing: whether gradients reach
 // the parameters, and only the current step's.
-#include <algorithm>
+#include "checks/gradient_flow.h"
 
-#include "checks/check.h"
+#include <algorithm>
 
 namespace trainsan::host {
 

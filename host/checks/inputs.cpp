@@ -1,5 +1,5 @@
 // duplicate_batch: the data stopped advancing (Note [Stuck data]).
-#include "checks/check.h"
+#include "checks/inputs.h"
 
 namespace trainsan::host {
 

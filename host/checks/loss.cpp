@@ -1,8 +1,8 @@
 // loss_spike, trivial_loss and empty_loss: the loss stream of one sanitizer (Note [Loss stream]).
+#include "checks/loss.h"
+
 #include <algorithm>
 #include <cmath>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

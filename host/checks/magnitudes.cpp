@@ -1,6 +1,6 @@
 // grad_explosion and update_ratio: the global gradient norm and update ratio against running
 // baselines, per optimizer (with several, each covers its own parameters).
-#include "checks/check.h"
+#include "checks/magnitudes.h"
 
 namespace trainsan::host {
 

@@ -1,7 +1,7 @@
 // no_grad_leak and eval_mode: judged by what trains (Note [Mode rules]).
-#include <algorithm>
+#include "checks/mode.h"
 
-#include "checks/check.h"
+#include <algorithm>
 
 namespace trainsan::host {
 

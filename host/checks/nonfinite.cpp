@@ -1,8 +1,8 @@
 // nonfinite_loss, nonfinite_grad, nonfinite_param, nonfinite_activation and fp16_overflow: values
 // that are (or will become, under fp16 autocast) NaN or ±Inf.
-#include <sstream>
+#include "checks/nonfinite.h"
 
-#include "checks/check.h"
+#include <sstream>
 
 namespace trainsan::host {
 

@@ -1,10 +1,10 @@
 // Mixed precision: amp_scale_collapse, update_underflow, low_precision_loss, the fp16_overflow of
 // module outputs, and the overflow provenance (Origins) the non-finite findings quote.
+#include "checks/precision.h"
+
 #include <algorithm>
 #include <cmath>
 #include <sstream>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

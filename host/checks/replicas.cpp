@@ -2,14 +2,14 @@
 // bindings/trainsan/replicas.py gathers the facts). The rules are simple — any difference of
 // bits is a finding — so this file is mostly the wording: which tensors, which ranks, what the
 // pattern of the difference says about its cause, and the fix.
+#include "checks/replicas.h"
+
 #include <algorithm>
 #include <map>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

@@ -1,11 +1,11 @@
 // optimizer_reset (and bad_checkpoint for a load that dropped parameters): a resume that does
 // not resume the run it loads.
+#include "checks/resume.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 

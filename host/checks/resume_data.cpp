@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "checks/check.h"
+#include "checks/resume.h"
 
 namespace trainsan::host {
 

@@ -1,11 +1,11 @@
 // skipped_step (gradients cleared unused, too many backwards without a step, gradients cleared
 // before the step, a step that changed nothing, a tensor a step left unchanged) and
 // update_outside_step.
+#include "checks/step_integrity.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include "checks/check.h"
 
 namespace trainsan::host {
 
@@ -152,7 +152,7 @@ void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
   double lr_est = std::numeric_limits<double>::infinity();
   for (const ParamView& p : v.params) {
     // A tensor whose change no sampled element saw has no measured move (Note [Update statistics
-    // without a snapshot] in sanitizer_pass.cpp).
+    // without a snapshot] in update_stats.cpp).
     if (!p.update || p.update->changed == 0 || p.update->unseen) continue;
     largest_move = std::max(largest_move, p.update->max);
     if (p.grad && p.grad->nonfinite() == 0 && p.grad->absmax && *p.grad->absmax > 0.0) {

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

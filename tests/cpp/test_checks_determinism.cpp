@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <string>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

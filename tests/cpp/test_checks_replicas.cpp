@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

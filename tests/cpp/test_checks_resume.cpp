@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "checks/check.h"
+#include "checks/checks.h"
 #include "fake_sink.h"
 
 namespace trainsan::host {

@@ -1,15 +1,19 @@
-// nondeterminism for LibTorch loops: Sanitizer::rerun re-runs the caller's step twice from the
-// state the step started from, fingerprints what each run produced and compares the fingerprints
-// (compare_reruns, host/checks/determinism.cpp; Note [Re-run determinism] there). Whatever a
+// Re-runs of a LibTorch loop's step (rerun_feed.h). nondeterminism: Sanitizer::rerun re-runs the
+// caller's step twice from the state the step started from, fingerprints what each run produced
+// and compares the fingerprints (compare_reruns, host/checks/determinism.cpp; Note [Re-run
+// determinism] there). Re-run attribution: rerun_for runs Setup::rerun_step once. Whatever a
 // re-run touches — the gradients, the RNG state, the buffers — is put back as it was found.
+#include "feeds/rerun_feed.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
 
-#include "sanitizer_impl.h"
+#include "forward_watch.h"
 #include "stats_internal.h"
+#include "trainsan/sanitizer.h"
 
 namespace trainsan {
 namespace host {
@@ -81,37 +85,37 @@ std::vector<at::Tensor> copies(const std::vector<at::Tensor>& ts) {
 // caller's step function included); the gradient hooks and the op audit look away meanwhile.
 class RerunScope {
  public:
-  RerunScope(SanitizerImpl& impl, std::vector<c10::DeviceIndex> devices)
-      : impl_(impl), rng_(RngState::capture(devices)), buffers_(copies(impl.setup.buffers)) {
-    for (const TrackedParam& p : impl.params) grads_.push_back(p.param.grad());
-    impl.grads.set_paused(true);
+  RerunScope(FeedContext& ctx, std::vector<c10::DeviceIndex> devices)
+      : ctx_(ctx), rng_(RngState::capture(devices)), buffers_(copies(ctx.setup.buffers)) {
+    for (const TrackedParam& p : ctx.params) grads_.push_back(p.param.grad());
+    ctx.grads.set_paused(true);
     Sanitizer::pause_audit(true);
   }
   ~RerunScope() {
     try {
-      for (size_t i = 0; i < grads_.size(); ++i) impl_.params[i].param.mutable_grad() = grads_[i];
-      copy_into(impl_.setup.buffers, buffers_);
+      for (size_t i = 0; i < grads_.size(); ++i) ctx_.params[i].param.mutable_grad() = grads_[i];
+      copy_into(ctx_.setup.buffers, buffers_);
       rng_.restore();
     } catch (...) {  // a destructor: nothing else to do with it
     }
     Sanitizer::pause_audit(false);
-    impl_.grads.set_paused(false);
+    ctx_.grads.set_paused(false);
   }
   RerunScope(const RerunScope&) = delete;
   RerunScope& operator=(const RerunScope&) = delete;
 
   // Before each run: the state the step started from, no gradients.
-  void start(const SanitizerImpl::RerunStart* from) {
+  void start(const StepStart* from) {
     start(from != nullptr ? from->rng : rng_, from != nullptr ? from->buffers : buffers_);
   }
   void start(const RngState& rng, const std::vector<at::Tensor>& buffers) {
     rng.restore();
-    copy_into(impl_.setup.buffers, buffers);
-    for (const TrackedParam& p : impl_.params) p.param.mutable_grad().reset();
+    copy_into(ctx_.setup.buffers, buffers);
+    for (const TrackedParam& p : ctx_.params) p.param.mutable_grad().reset();
   }
 
  private:
-  SanitizerImpl& impl_;
+  FeedContext& ctx_;
   RngState rng_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> grads_;
@@ -119,24 +123,34 @@ class RerunScope {
 
 }  // namespace
 
-void SanitizerImpl::capture_rerun_start() {
-  rerun_start = RerunStart{step, RngState::capture(cuda_devices(param_tensors(params))),
-                           copies(setup.buffers)};
+void RerunFeed::capture_rerun_start() {
+  rerun_start_ = StepStart{ctx_.step,
+                           RngState::capture(cuda_devices(param_tensors(ctx_.params))),
+                           copies(ctx_.setup.buffers),
+                           {},
+                           {},
+                           0};
 }
 
 // Re-run attribution (Note [Re-run attribution], checks/attribution.cpp) for a LibTorch loop
 // with Setup::rerun_step: the state each training forward starts from, kept for one step.
-void SanitizerImpl::capture_error_start(const std::vector<at::Tensor>& inputs) {
-  if (opts.rerun_on_error <= 0 || !rerun_step || closed || !at::GradMode::is_enabled()) {
+void RerunFeed::capture_error_start(const std::vector<at::Tensor>& inputs) {
+  if (ctx_.opts.rerun_on_error <= 0 || !rerun_step || ctx_.closed || !at::GradMode::is_enabled()) {
     return;
   }
-  const int64_t forwards = error_start && error_start->step == step ? error_start->forwards : 0;
-  error_start = ErrorStart{step,
-                           RngState::capture(cuda_devices(param_tensors(params))),
-                           copies(setup.buffers),
+  const int64_t step = ctx_.step;
+  const int64_t forwards = error_start_ && error_start_->step == step ? error_start_->forwards : 0;
+  error_start_ = StepStart{step,
+                           RngState::capture(cuda_devices(param_tensors(ctx_.params))),
+                           copies(ctx_.setup.buffers),
                            inputs,
                            {},
                            forwards + 1};
+}
+
+void RerunFeed::on_loss(const at::Tensor& loss) {
+  if (error_start_ && error_start_->step == ctx_.step)
+    error_start_->losses.push_back(loss.detach());
 }
 
 namespace {
@@ -166,22 +180,24 @@ bool any_nonfinite(const std::vector<TensorStats>& s, size_t from, size_t to) {
 
 }  // namespace
 
-RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
+RerunOutcome RerunFeed::rerun_for(const Finding& f) {
+  const std::vector<TrackedParam>& params = ctx_.params;
+  const std::unique_ptr<ForwardWatch>& watch = ctx_.watch;
   RerunOutcome o;
-  if (!error_start || error_start->step != f.step) {
+  if (!error_start_ || error_start_->step != f.step) {
     o.error = "the state step " + std::to_string(f.step) +
               " started from was not kept (begin_step(), or the forward trainsan::attach sees, "
               "keeps it for one step)";
     return o;
   }
-  const ErrorStart& from = *error_start;
+  const StepStart& from = *error_start_;
   o.forwards = from.forwards;
-  o.params_changed = step > f.step;
+  o.params_changed = ctx_.step > f.step;
   // Buffers the forward updates in place (BatchNorm's statistics) would move the version counters
   // the step's backward checks, were the re-run to run before it.
   bool backward_ran = o.params_changed;
-  for (const TrackedParam& p : params) backward_ran = backward_ran || grads.got_grad(p.opt);
-  if (!setup.buffers.empty() && !backward_ran) {
+  for (const TrackedParam& p : params) backward_ran = backward_ran || ctx_.grads.got_grad(p.opt);
+  if (!ctx_.setup.buffers.empty() && !backward_ran) {
     o.error =
         "the model has buffers its forward updates in place (BatchNorm statistics) and the step's "
         "backward is still to come, which a re-run now would break; call watch_loss(loss) after "
@@ -215,7 +231,7 @@ RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
       }
     } rearm{armed ? watch.get() : nullptr};
     {
-      RerunScope scope(*this, cuda_devices(param_tensors(params)));
+      RerunScope scope(ctx_, cuda_devices(param_tensors(params)));
       scope.start(from.rng, from.buffers);
       r = rerun_step();
       std::vector<at::Tensor> gs;
@@ -255,38 +271,32 @@ RerunOutcome SanitizerImpl::rerun_for(const Finding& f) {
   return o;
 }
 
-}  // namespace host
-
-void Sanitizer::rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step) {
-  TORCH_CHECK_VALUE(static_cast<bool>(step_fn), "Sanitizer::rerun: step_fn is empty");
-  if (!rerun_due()) return;
-  host::SanitizerImpl& im = *impl_;
-  TORCH_CHECK_VALUE(!im.grads.in_step(),
+std::optional<RerunFacts> RerunFeed::rerun(const std::function<RerunRecord()>& step_fn,
+                                           const RerunRecord& step) {
+  TORCH_CHECK_VALUE(!ctx_.grads.in_step(),
                     "Sanitizer::rerun: called inside an optimizer step; call it after the step's "
                     "backward and before optimizer.step()");
   const auto t0 = std::chrono::steady_clock::now();
-  const host::SanitizerImpl::RerunStart* from =
-      im.rerun_start && im.rerun_start->step == im.step ? &*im.rerun_start : nullptr;
+  const StepStart* from =
+      rerun_start_ && rerun_start_->step == ctx_.step ? &*rerun_start_ : nullptr;
   RerunFingerprints first, second;
   {
-    host::RerunScope scope(im, host::cuda_devices(host::param_tensors(im.params)));
+    RerunScope scope(ctx_, cuda_devices(param_tensors(ctx_.params)));
     scope.start(from);
-    first = host::fingerprint(step_fn(), &im.params);
+    first = fingerprint(step_fn(), &ctx_.params);
     scope.start(from);
-    second = host::fingerprint(step_fn(), &im.params);
+    second = fingerprint(step_fn(), &ctx_.params);
   }
   // The step's own forward is comparable only when the re-runs started where it started.
-  const RerunFingerprints own =
-      from != nullptr ? host::fingerprint(step, nullptr) : RerunFingerprints{};
-  im.rerun_start.reset();
+  const RerunFingerprints own = from != nullptr ? fingerprint(step, nullptr) : RerunFingerprints{};
+  rerun_start_.reset();
   const std::optional<RerunFacts> facts = compare_reruns(own, first, second);
-  im.add_overhead(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  if (facts) {
-    rerun_result(*facts);
-  } else {
-    report();
-  }
+  ctx_.time.add_overhead(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return facts;
 }
+
+}  // namespace host
 
 std::vector<uint64_t> output_fingerprints(const std::vector<at::Tensor>& outputs) {
   std::vector<at::Tensor> all;

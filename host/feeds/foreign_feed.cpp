@@ -1,7 +1,9 @@
-// Note [Foreign backwards] (host/checks/gradient_flow.cpp): the facts of a backward that reached
-// none of the sanitizer's parameters but other requires-grad leaves, and, for a LibTorch loop,
-// the walk of a loss's graph that finds them (walk_loss_graph, trainsan/loss_walk.h: also the walk
-// of the Python package's Note [Loss roots], which reports through Sanitizer::foreign_backward).
+// Note [Foreign backwards] (host/checks/gradient_flow.cpp): the feeder of the foreign-backward
+// facts of StepView (foreign_feed.h), and the walk of a loss's graph that finds them
+// (walk_loss_graph, trainsan/loss_walk.h: also the walk of the Python package's Note [Loss
+// roots], which reports through Sanitizer::foreign_backward).
+#include "feeds/foreign_feed.h"
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -10,7 +12,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include "sanitizer_impl.h"
 #include "trainsan/loss_walk.h"
 
 namespace trainsan {
@@ -56,34 +57,43 @@ LossWalk walk_loss_graph(const at::Tensor& root,
 
 namespace trainsan::host {
 
-void SanitizerImpl::foreign_backward(const ForeignBackward& facts) {
-  if (closed || facts.leaves <= 0) return;
-  foreign_total += 1;
-  foreign_latest = facts;
+void ForeignFeed::foreign_backward(const ForeignBackward& facts) {
+  if (ctx_.closed || facts.leaves <= 0) return;
+  total_ += 1;
+  latest_ = facts;
 }
 
-int SanitizerImpl::walk(const at::Tensor& loss, ForeignBackward* f) {
+void ForeignFeed::on_step_end(StepEnd& e) {
+  int64_t& at = at_step_[e.manual ? -1 : e.opt];
+  e.foreign_backwards = total_ - at;
+  e.foreign = latest_;
+  at = total_;
+}
+
+bool ForeignFeed::since_step(int64_t opt) { return total_ > at_step_[opt]; }
+
+int ForeignFeed::walk(const at::Tensor& loss, ForeignBackward* f) {
   if (!loss.defined() || !loss.grad_fn()) return -1;
-  if (param_impls.empty()) {  // once: the parameters of a sanitizer are fixed
-    for (const TrackedParam& p : params) param_impls.push_back(p.param.unsafeGetTensorImpl());
-    std::sort(param_impls.begin(), param_impls.end(), std::less<const void*>());
+  if (param_impls_.empty()) {  // once: the parameters of a sanitizer are fixed
+    for (const TrackedParam& p : ctx_.params) param_impls_.push_back(p.param.unsafeGetTensorImpl());
+    std::sort(param_impls_.begin(), param_impls_.end(), std::less<const void*>());
   }
-  const LossWalk w = walk_loss_graph(loss, {&param_impls}, /*keep_leaves=*/false);
+  const LossWalk w = walk_loss_graph(loss, {&param_impls_}, /*keep_leaves=*/false);
   if (w.reaches[0]) return 1;  // our loss
   f->leaves = w.leaf_count;
   f->elements = w.elements;
   return w.complete ? 0 : -1;  // walked to its end, or out of budget
 }
 
-void SanitizerImpl::walk_loss(const at::Tensor& loss) {
-  if (closed || setup.gathers_events) return;
+void ForeignFeed::on_loss(const at::Tensor& loss) {
+  if (ctx_.closed || ctx_.setup.gathers_events) return;
   ForeignBackward f;
   if (walk(loss, &f) == 0) foreign_backward(f);  // walked to its end (no graph: -1)
 }
 
-int SanitizerImpl::loss_reaches(const at::Tensor& loss) {
+int ForeignFeed::loss_reaches(const at::Tensor& loss) {
   ForeignBackward unused;
-  return closed ? -1 : walk(loss, &unused);
+  return ctx_.closed ? -1 : walk(loss, &unused);
 }
 
 }  // namespace trainsan::host
