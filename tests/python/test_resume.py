@@ -19,16 +19,7 @@ import torch
 import torch.nn as nn
 
 import trainsan
-
-
-@pytest.fixture(autouse=True)
-def _watched_loads():
-    """These tests judge loads made before an explicit attach: journaled as trainsan.watch_loads()
-    journals them (`import trainsan` installs nothing: Note [Patches]; test_patches.py covers an
-    attach without it)."""
-    with trainsan.watch_loads():
-        yield
-
+from _watched import _watched_loads  # noqa: F401 - autouse: the loads are journaled
 
 
 def make_model(head=2):

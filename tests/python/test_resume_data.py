@@ -22,16 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 import trainsan
+from _watched import _watched_loads  # noqa: F401 - autouse: the loads are journaled
 from _launch import run_script
-
-
-@pytest.fixture(autouse=True)
-def _watched_loads():
-    """These tests judge loads made before an explicit attach: journaled as trainsan.watch_loads()
-    journals them (`import trainsan` installs nothing: Note [Patches]; test_patches.py covers an
-    attach without it)."""
-    with trainsan.watch_loads():
-        yield
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
