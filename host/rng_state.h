@@ -1,6 +1,6 @@
-// The default random generators' states, saved and put back: what the re-runs (rerun.cpp) and the
-// custom-Function gradcheck (custom_grad.cpp) evaluate under, so that the training's own random
-// stream is left as they found it.
+// The default random generators' states, saved and put back: what the re-runs
+// (feeds/rerun_feed.cpp) and the custom-Function gradcheck (custom_grad.cpp) evaluate under, so
+// that the training's own random stream is left as they found it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

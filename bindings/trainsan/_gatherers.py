@@ -19,13 +19,15 @@ from .recompute import RecomputeWatch
 # ~~~~~~~~~~~~~~~~
 # A Sanitizer keeps everything it installs or runs besides its own hooks' events in one list of
 # Gatherers and calls every member at each event in the list's order: a training forward, a loss,
-# the beginning of an optimizer step, its end (or the GradScaler's skip of it), a GradScaler step,
-# a clearing of the gradients (zero_grad), and close(), which closes every member (each hook
-# removed, each process-wide patch released) before the C++ side writes the summary. The order matters where two members act at the same
-# event: the label guard's window and the autograd checks' windows end before the parameters are
-# checked at the first step, the replicas compare the starting weights before the re-runs, the
-# resume facts and the overflow flags are read (the order of PARTS, Note [Parts] in _parts.py). The adapters below fit the gatherers written before the protocol; a new gatherer can
-# subclass Gatherer itself.
+# the beginning of an optimizer step, its end (or the GradScaler's skip of it), a GradScaler step, a
+# clearing of the gradients (zero_grad), and close(), which closes every member (each hook removed,
+# each process-wide patch released) before the C++ side writes the summary. The order matters where
+# two members act at the same event: the label guard's window and the autograd checks' windows end
+# before the parameters are checked at the first step, the replicas compare the starting weights
+# before the re-runs, the resume facts and the overflow flags are read (the order of PARTS, Note
+# [Parts] in _parts.py). Each member is built by a builder of _parts.py (Note [Parts]) and sees its
+# sanitizer through its Context (Note [Context]). The adapters below fit the gatherers written
+# before the protocol; a new gatherer can subclass Gatherer itself.
 
 
 class Gatherer:

@@ -17,9 +17,9 @@ to come checks (attribution re-runs before the step's backward when a loss is no
 recompute check (recompute.py) re-runs nothing (torch.utils.checkpoint does) and fingerprints the
 same RNG states, rng() below.
 
-The LibTorch side has its own re-run driver, Sanitizer::rerun (host/rerun.cpp), over what a
-LibTorch loop gives it: a step function that fills .grad, Setup::buffers as tensors (restored by
-copy_: a LibTorch program hands tensors, not module slots). The Python checks do not call it yet,
+The LibTorch side has its own re-run driver, Sanitizer::rerun (host/feeds/rerun_feed.cpp), over
+what a LibTorch loop gives it: a step function that fills .grad, Setup::buffers as tensors
+(restored by copy_: a LibTorch program hands tensors, not module slots). The Python checks do not call it yet,
 because it differs from what they do where a finding could change: it clears and refills .grad
 (the Python re-runs take the gradients with torch.autograd.grad from the recorded output
 gradients, so no .grad and no hook on it is touched), it compares the step's own outputs as

@@ -52,8 +52,8 @@ def _batch_tensors(batch: Any) -> list:
 def batch_fingerprint(batch: Any) -> tuple[str, list[str]]:
     """(the batch's fingerprint, each tensor's): 16 hex digits each, from the TensorStats hash of
     the batch's tensors (tuples, lists and dicts of them, two levels deep) in order, mixed as
-    host/rerun.cpp's combine() does (FNV-1a over the 64-bit words). The poison_batch records and
-    :func:`skip_poison` both use it."""
+    host/feeds/rerun_feed.cpp's combine() does (FNV-1a over the 64-bit words). The poison_batch
+    records and :func:`skip_poison` both use it."""
     hashes = fingerprints(_batch_tensors(batch))
     if not hashes:
         return "", []
