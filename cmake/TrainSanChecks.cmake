@@ -3,6 +3,8 @@
 # host/CMakeLists.txt; needs trainsan_warnings() (TrainSanCompiler.cmake).
 add_library(trainsan_checks STATIC
   "${PROJECT_SOURCE_DIR}/host/kinds.cpp"
+  "${PROJECT_SOURCE_DIR}/host/messages.cpp"
+  "${PROJECT_SOURCE_DIR}/host/json.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/step_view.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/nonfinite.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/gradient_flow.cpp"

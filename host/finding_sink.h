@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "messages.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 
@@ -39,12 +40,5 @@ class CollectingSink : public FindingSink {
                      std::optional<Severity> severity) override;
   std::vector<Finding> out;
 };
-
-/// Number formatting of the messages: 4 significant digits.
-std::string fmt(double v);
-/// "a, b, c, d and 3 more": the first `shown` names of a list, for the messages.
-std::string join_names(const std::vector<std::string>& names, size_t shown = 4);
-/// "[trainsan] <severity>: <message>" on stderr: the "warn" answer outside Python.
-void print_finding(const Finding& f);
 
 }  // namespace trainsan::host

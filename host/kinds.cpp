@@ -1,4 +1,4 @@
-// The kind table (kinds.def), the policy's answer to a finding, and message formatting.
+// The kind table (kinds.def), the policy's answer to a finding, and the CollectingSink.
 // Torch-free: part of trainsan_checks.
 #include "trainsan/kinds.h"
 
@@ -39,13 +39,6 @@ Action policy_action(const std::string& policy, const Finding& finding) {
 
 namespace host {
 
-std::string join_names(const std::vector<std::string>& names, size_t shown) {
-  std::string out;
-  for (size_t k = 0; k < names.size() && k < shown; ++k) out += (k ? ", " : "") + names[k];
-  if (names.size() > shown) out += " and " + std::to_string(names.size() - shown) + " more";
-  return out;
-}
-
 const Finding* CollectingSink::add(Kind kind, const std::string& tensor, const std::string& message,
                                    std::optional<double> value, int64_t step,
                                    std::optional<Severity> severity) {
@@ -59,17 +52,6 @@ const Finding* CollectingSink::add(Kind kind, const std::string& tensor, const s
   f.value = value;
   out.push_back(f);
   return &out.back();
-}
-
-std::string fmt(double v) {
-  std::ostringstream os;
-  os.precision(4);
-  os << v;
-  return os.str();
-}
-
-void print_finding(const Finding& f) {
-  std::cerr << "[trainsan] " << f.severity << ": " << f.message << '\n';
 }
 
 }  // namespace host

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "trace.h"
+#include "json.h"
 #include "trainsan/kinds.h"
 
 namespace trainsan {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checks/check.h"
+#include "json.h"
 #include "trainsan/coverage.h"
 #include "trainsan/finding.h"
 #include "trainsan/options.h"
@@ -15,8 +16,6 @@
 
 namespace trainsan::host {
 
-std::string json_escape(const std::string& s);
-std::string json_number(double v);  // null for NaN/Inf, which JSON cannot hold
 std::string stats_json(const TensorStats& st);
 
 struct TensorRecord {
@@ -148,8 +147,3 @@ class TraceWriter {
 };
 
 }  // namespace trainsan::host
-
-namespace trainsan {
-using host::json_escape;
-using host::json_number;
-}  // namespace trainsan
