@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional
 ENTRIES = (
     "apply",  # (reports): the policy's answers, raised or warned (Sanitizer._apply)
     "due",  # (i) -> field i (DUE_* in _hooks.py) of this training forward's due() flags
-    "add_py",  # (seconds): Python time spent for it (Note [Own time])
     "note",  # (about, message, **extra): a note record (Note [Attach order])
     "on_fault",  # (where, exc): its own code failed in the loop (Note [Faults])
     "on_forward",  # (module, args, kwargs): a forward of the model (its forward pre-hook)
@@ -38,7 +37,6 @@ ENTRIES = (
     "backward_without_graph",  # (): a backward whose roots have no graph (no_grad_leak)
     "check_save",  # (obj, f): a torch.save while attached (Note [Checkpoint checks])
     "walk_leaves",  # () -> the graph leaves that are its parameters (FSDP2: and their stand-ins)
-    "rebuild",  # (): install everything anew for the current parameters (Note [Attach order])
 )
 
 

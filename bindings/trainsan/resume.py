@@ -424,15 +424,11 @@ def _wrap_loader_classes() -> None:
         _journal_patch.extend(_loader_classes())
 
 
-def _journal_targets() -> list:
-    return _patches() + _loader_classes()
-
-
 _journal_patch = Patch(
     "load_journal", ("attach", "launcher", "watch"),
     ["torch.load", "torch.nn.Module.load_state_dict", "torch.optim.Optimizer.load_state_dict",
      "torch.optim.lr_scheduler.*.load_state_dict",
-     "torch.utils.data.{DataLoader,Sampler} subclasses' load_state_dict"], _journal_targets)
+     "torch.utils.data.{DataLoader,Sampler} subclasses' load_state_dict"], _patches)
 
 
 class _Journal:
@@ -442,6 +438,7 @@ class _Journal:
     def acquire(self, lifetime: str) -> None:
         _journal_patch.acquire(lifetime)
         _loader_patch.acquire(lifetime)
+        # The loader classes, at the first hold and any defined since (one walk a hold).
         _guard(_wrap_loader_classes, what="loader loads are not journaled")
 
     def release(self, lifetime: str) -> None:
@@ -545,7 +542,8 @@ class ResumeWatch:
         self._restored: set = set()  # optimizer indices restored while attached
         self._sched_restored: set = set()
         self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
-        self._at_attach: dict = {}  # optimizer index -> its scheduler's epoch (Note [Loads before attach])
+        # optimizer index -> its scheduler's epoch, seen at attach (Note [Loads before attach])
+        self._at_attach: dict = {}
 
     def _san(self):
         san = self._ref()

@@ -70,12 +70,11 @@ class Sanitizer:
         # Note [Context]: what the parts, patches and registries may read and call.
         self._ctx = Context(self, model, list(optimizers), policy)
         self._ctx.bind(
-            apply=self._apply, due=self._due_flag, add_py=self._add_py, note=self._note,
+            apply=self._apply, due=self._due_flag, note=self._note,
             on_fault=self._on_fault, on_forward=self._on_forward, begin_step=self._begin_step,
             scaler_step=self._scaler_step, gradients_cleared=self._gradients_cleared,
             auto_loss=self._auto_loss, backward_without_graph=self._backward_without_graph,
-            check_save=self._check_save, walk_leaves=self._walk_leaves,
-            rebuild=self._build)
+            check_save=self._check_save, walk_leaves=self._walk_leaves)
         self._trace_path = trace
         self._checks = checks
         self._options = options
