@@ -191,9 +191,7 @@ class Pairer:
         self._depth = threading.local()
         self._module_hooks: list = []
         self._step_hook = None
-        self._journal = False  # holds the load journal
-        self._init = False  # holds the "optimizer_init" patch
-        self._backward = False  # holds the "backward" patch
+        self._installed = False  # holds the load journal, "optimizer_init" and "backward"
 
     # installation -------------------------------------------------------------------------------
 
@@ -201,14 +199,12 @@ class Pairer:
         # The load journal from the script's first line (Note [Load journal]): the loads before
         # the first training forward, where the launcher attaches, are judged at that attach.
         resume.journal.acquire("launcher")
-        self._journal = True
-        _pairers.append(self)
-        self._init = True
         _init_patch.acquire("launcher")
-        self._step_hook = register_optimizer_step_pre_hook(self._on_step)
-        _patches.before_backward.append(self._before_backward)
         _patches._loss_patch.acquire("launcher")
-        self._backward = True
+        _pairers.append(self)
+        _patches.before_backward.append(self._before_backward)
+        self._installed = True
+        self._step_hook = register_optimizer_step_pre_hook(self._on_step)
         # OptimizedModule warns that global module hooks fire once more for it: ours expect that.
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there "
                                 "are global hooks")
@@ -224,28 +220,24 @@ class Pairer:
     def _before_backward(self) -> list:
         """Before a backward (the "backward" patch, after the open sanitizers saw it): the
         sanitizers attached for the optimizers still unpaired (Note [Loss roots])."""
-        if self._init and self._pending() and not _compile.is_compiling():
+        if self._installed and self._pending() and not _compile.is_compiling():
             return self._on_backward()
         return []
 
     def uninstall(self) -> None:
         self._set_module_hooks(False)
-        if self._journal:
-            self._journal = False
-            resume.journal.release("launcher")
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self._init:
-            self._init = False
-            _init_patch.release("launcher")
+        if self._installed:
+            self._installed = False
             if self in _pairers:
                 _pairers.remove(self)
-        if self._backward:
-            self._backward = False
             if self._before_backward in _patches.before_backward:
                 _patches.before_backward.remove(self._before_backward)
             _patches._loss_patch.release("launcher")
+            _init_patch.release("launcher")
+            resume.journal.release("launcher")
 
     def _active(self) -> list:
         return [p for p in self.pairings if not p.replaced]
