@@ -15,7 +15,7 @@ from ._findings import Finding, TrainingBugError, TrainingBugWarning
 from ._tables import KINDS, OPTIONS, Options
 from .attribution import poison_batches, skip_poison
 from .checkpoint import CheckpointReport, check_checkpoint
-from .resume import watch_loads
+from ._journal import watch_loads
 from .sanitizer import Sanitizer
 from .stats import PendingStats, TensorStats, gradient_stats, tensor_stats, tensor_stats_async
 

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import trainsan
 
-from . import _compile, _patches, resume
+from . import _compile, _journal, _patches
 from ._facts import script_names
 from ._gatherers import RootlessForwards
 from ._registry import Patch
@@ -198,7 +198,7 @@ class Pairer:
     def install(self) -> None:
         # The load journal from the script's first line (Note [Load journal]): the loads before
         # the first training forward, where the launcher attaches, are judged at that attach.
-        resume.journal.acquire("launcher")
+        _journal.journal.acquire("launcher")
         _init_patch.acquire("launcher")
         _patches._loss_patch.acquire("launcher")
         _pairers.append(self)
@@ -237,7 +237,7 @@ class Pairer:
                 _patches.before_backward.remove(self._before_backward)
             _patches._loss_patch.release("launcher")
             _init_patch.release("launcher")
-            resume.journal.release("launcher")
+            _journal.journal.release("launcher")
 
     def _active(self) -> list:
         return [p for p in self.pairings if not p.replaced]

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 from . import _compile, _native, _patches
 from ._gatherers import (CustomGrads, Gatherer, Held, Hooks, LabelWindow, ParamsLive, Provenances,
                          Replicas, Reruns, Resumes, RootlessForwards, SavedTensors)
+from ._journal import journal
 from ._hooks import _getstate_patch, _Hook, _weak_method
 from ._patches import (_forward_clock, _loader_patch, _loss_patch, _save_patch, _scaler_patch,
                        _zero_grad_patch)
@@ -18,7 +19,7 @@ from .autograd_checks import CustomGradCheck, SavedTensorCheck
 from .determinism import Rerun
 from .precision import Provenance
 from .replicas import ReplicaComparison, active as replicas_active
-from .resume import ResumeWatch, journal
+from .resume import ResumeWatch
 
 # Note [Parts]
 # ~~~~~~~~~~~~

@@ -1,7 +1,7 @@
 """Whether what a resume restored fits what it resumes (Note [Resume checks] in
-host/checks/resume.cpp; the journal and the other resume facts are resume.py's): the facts that
-tell a fine-tune from a forgotten optimizer state — the parameters the model's load wrote, the
-checkpoint's optimizer states against this optimizer — and, at the first step after
+host/checks/resume.cpp; the journal is _journal.py's, the other resume facts resume.py's): the
+facts that tell a fine-tune from a forgotten optimizer state — the parameters the model's load
+wrote, the checkpoint's optimizer states against this optimizer — and, at the first step after
 optimizer.load_state_dict, each parameter's restored moments against its gradient (MomentScale).
 Gathered once per load and once per first step after it; nothing runs at other steps."""
 

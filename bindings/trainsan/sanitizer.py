@@ -41,7 +41,7 @@ from ._tables import ACTIONS, KINDS, OPTIONS, Options, option_strings
 from .checkpoint import gather, holds_model
 from .precision import write_headroom
 from .attribution import attributed
-from .resume import replay_loads, watching_before
+from ._journal import replay_loads, watching_before
 from .stats import TensorStats, _unpack
 
 __all__ = [

@@ -8,7 +8,7 @@ optimizer restored with the empty state of a fresh one (error), the scheduler no
 nothing because of a key prefix, strict=False leaving a frozen parameter at its initial value.
 Legitimate, silent: a full resume (model, optimizer, scheduler, RNG) in either order, fine-tuning
 from pretrained weights with a fresh optimizer, a backbone loaded into a model with a new head
-(strict=False). Loads made before attach are judged the same (Note [Load journal] in resume.py;
+(strict=False). Loads made before attach are judged the same (Note [Load journal] in _journal.py;
 test_resume_replay.py).
 """
 

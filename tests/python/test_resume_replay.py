@@ -1,4 +1,4 @@
-"""Loads made before attach are judged (issue 20; Note [Load journal] in resume.py).
+"""Loads made before attach are judged (issue 20; Note [Load journal] in _journal.py).
 
 From `import trainsan` on, every torch.load and load_state_dict is journaled, and a sanitizer
 replays the loads of its model, its optimizers and their schedulers at attach: an attach after
@@ -26,7 +26,7 @@ from torch import nn
 import trainsan
 from _watched import _watched_loads  # noqa: F401 - autouse: the loads are journaled
 from _launch import run_script
-from trainsan import resume as resume_mod
+from trainsan import _journal as journal_mod
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -188,7 +188,7 @@ def test_loader_state_is_journaled(checkpoint):
     torch.load(checkpoint)  # the checkpoint, then the loader restored from it
     sampler.load_state_dict({"start": 4})
     assert sampler.start == 4
-    last = resume_mod._journal[-1]
+    last = journal_mod._journal[-1]
     assert last.kind == "loader" and last.ref() is sampler and not last.waiting
 
 
