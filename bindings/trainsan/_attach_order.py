@@ -20,9 +20,10 @@ import torch
 # RuntimeError from the first step). Under "warn" and "record" TrainSan's own preconditions never
 # raise into the script:
 # * An optimizer holding none of the parameters: attach goes on, and a note says why its steps
-#   update nothing the model uses. No finding does: with no parameter in any optimizer the C++
-#   side judges the model as one without an optimizer (have_optimizer: param_not_in_optimizer,
-#   missing_grad and the mode rules say nothing; update_ratio may warn of updates of 0).
+#   update nothing the model uses; the first step of such an optimizer whose backward reached
+#   the model is param_not_in_optimizer, one error about the model (Note [Optimizers holding
+#   none], host/checks/gradient_flow.cpp). Otherwise the C++ side judges the model as one without
+#   an optimizer (have_optimizer: missing_grad and the mode rules say nothing).
 # * Parameters replaced after attach: the sanitizer re-binds (_rebind) at that first step to the
 #   model as it is now, with the same optimizers, policy, options, checks and trace path: what it
 #   installed is released quietly (the C++ side's reports at close are not applied) and built
@@ -38,8 +39,7 @@ import torch
 _GOES_ON = {
     "optimizer_holds_none": (
         "; TrainSan goes on (policy {policy}) watching the model's parameters, which this "
-        "optimizer's steps leave unchanged (no finding says so: the step rules that need an "
-        "optimizer see none holding them)"),
+        "optimizer's steps leave unchanged (param_not_in_optimizer at its first step)"),
     "parameters_replaced": (
         "; TrainSan re-binds to the model's current parameters at this step (policy {policy}) "
         "and goes on checking from the next step; the trace restarts here"),

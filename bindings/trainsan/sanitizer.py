@@ -86,7 +86,7 @@ class Sanitizer:
         self._counts_before: dict = {}  # their coverage counts
         self._build()
 
-    def _build(self) -> None:
+    def _build(self, rebinding: bool = False) -> None:
         """Install everything for the model and optimizers as they are now (attach, and a
         re-binding: Note [Attach order])."""
         model, policy, trace, checks, options = (
@@ -116,8 +116,8 @@ class Sanitizer:
             )
         opts = option_strings(options, policy, trace, checks)
         holding_none = _optimizers_holding_none(self._ctx.optimizers, params)
-        if holding_none and policy == "raise":
-            raise ValueError(holding_none[0])
+        if holding_none and policy == "raise" and not rebinding:
+            raise ValueError(holding_none[0])  # a re-binding's is the first step's finding
         self._dt_index = [k for k, p in enumerate(params) if _is_dtensor(p)]
         fsdp_ids = _fsdp_sharded_ids(model)
         self._ctx.fsdp_ids = fsdp_ids
@@ -243,7 +243,7 @@ class Sanitizer:
             pass
         self._ctx.binding += 1
         try:
-            self._build()
+            self._build(rebinding=True)
         except Exception as exc:  # noqa: BLE001 - never raise into the script under warn/record
             self._release_quietly()
             if ctx.handle is not old:

@@ -111,7 +111,38 @@ bool GradientFlowCheck::foreign_suspected() const {
                      [](const auto& e) { return e.second > 0; });
 }
 
+// Note [Optimizers holding none]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Optimizers are attached (not manual mode) and none of them holds a parameter the sanitizer
+// watches: each was built on tensors the model no longer uses — the parameters from before
+// fully_shard, a flat-parameter wrapper, distribute_module or load_state_dict(assign=True)
+// replaced them (found at attach, or at the re-binding of Note [Attach order]). Every step then
+// changes nothing the model uses while the loop looks healthy. The per-parameter rule below is
+// for a model some optimizer trains (have_optimizer); here it would name every parameter, so
+// one finding about the model ("") says it, at the first step of an attached optimizer (opt >= 0:
+// a step the optimizer's hooks delimit, not end_step() of a loop that updates by hand) whose
+// backward reached trainable parameters, under every policy (a recorded error under record, not
+// only the note at attach).
+void GradientFlowCheck::optimizers_hold_none(const StepView& v) {
+  if (v.manual || v.have_optimizer || v.partial || v.opt < 0) return;
+  std::vector<const ParamView*> trained;
+  for (const ParamView& p : v.params) {
+    if (p.trainable && p.observed.got_grad) trained.push_back(&p);
+  }
+  if (trained.empty()) return;
+  sink_.add(Kind::param_not_in_optimizer, "",
+            std::to_string(trained.size()) + " parameter(s) of the model (e.g. " +
+                trained.front()->name +
+                ") receive gradients, but the optimizer(s) attached hold none of the model's "
+                "parameters, so no step changes anything the model uses — the optimizer was "
+                "built on the tensors from before they were replaced (fully_shard, a "
+                "flat-parameter wrapper, distribute_module, load_state_dict(assign=True)); "
+                "build it after the wrap, from model.parameters() of the model you train",
+            static_cast<double>(trained.size()), v.step);
+}
+
 void GradientFlowCheck::on_step(const StepView& v) {
+  optimizers_hold_none(v);
   const bool foreign = foreign_step(v);
   const int64_t with_grad = v.totals.with_grad;
   const size_t n = v.params.size();

@@ -23,6 +23,7 @@ class GradientFlowCheck {  // gradient_flow.cpp: missing_grad, stale_grad, param
  private:
   /// Note [Foreign backwards]: whether it reported.
   bool foreign_step(const StepView& v);
+  void optimizers_hold_none(const StepView& v);  // Note [Optimizers holding none]
   FindingSink& sink_;
   const Options& opts_;
   std::vector<std::pair<int64_t, int64_t>> foreign_steps_;  // (StepView::opt, consecutive steps)

@@ -272,6 +272,48 @@ TEST(GradientFlowCheck, StaleGradAndParamNotInOptimizer) {
   EXPECT_TRUE(sink.calls.empty());
 }
 
+// Note [Optimizers holding none]: an attached optimizer's step (opt >= 0) with no parameter in
+// any optimizer is one finding about the model, counting the parameters that got a gradient.
+TEST(GradientFlowCheck, OptimizersHoldingNoneIsOneFindingAboutTheModel) {
+  FakeSink sink;
+  Options o;
+  GradientFlowCheck c(sink, o, 3);
+  StepView v = flow_step(2, true);
+  v.params.push_back(param(2, "frozen"));
+  v.params[2].trainable = false;  // frozen: not counted
+  for (ParamView& p : v.params) p.opt = -1;
+  v.have_optimizer = false;
+  v.opt = 0;
+  compute_totals(v);
+  c.on_step(v);
+  ASSERT_EQ(sink.kinds(), (std::vector<Kind>{Kind::param_not_in_optimizer}));
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[0].value, 2.0);
+  EXPECT_EQ(sink.calls[0].message.rfind(
+                "2 parameter(s) of the model (e.g. a) receive gradients, but the optimizer(s) "
+                "attached hold none of the model's parameters",
+                0),
+            0u)
+      << sink.calls[0].message;
+  // Not in manual mode, not at end_step() of a loop without a binding (opt -1), not at a
+  // partial step, not where no trainable parameter got a gradient, not where some optimizer
+  // holds a parameter (the per-parameter rule's).
+  for (int variant = 0; variant < 5; ++variant) {
+    FakeSink each;
+    StepView w = v;
+    if (variant == 0) w.manual = true;
+    if (variant == 1) w.opt = -1;
+    if (variant == 2) w.partial = true;
+    if (variant == 3) {
+      for (ParamView& p : w.params) p.observed.got_grad = false;
+    }
+    if (variant == 4) w.have_optimizer = true;
+    GradientFlowCheck fresh(each, o, 3);
+    fresh.on_step(w);
+    EXPECT_EQ(each.count(Kind::param_not_in_optimizer, ""), 0) << "variant " << variant;
+  }
+}
+
 TEST(GradientFlowCheck, ManualStaleGradNeedsThePreviousStepsChange) {
   FakeSink sink;
   Options o;

@@ -116,9 +116,14 @@ def test_a_record_attaches_and_notes_it(tmp_path):
         _train(model, opt)
         san.close()
     assert san.step == STEPS and san.coverage()["steps_checked"] == STEPS
-    # The cause is a note, not a finding: with no parameter in any optimizer the C++ side judges
-    # the model as one without an optimizer (param_not_in_optimizer stays silent).
-    assert [f for f in san.findings if f.severity == "error"] == [], san.summary()
+    # The cause is a note at attach, and a recorded error at the first step (issue 37: under
+    # record a finding, not only a note; Note [Optimizers holding none], gradient_flow.cpp): one
+    # about the model, naming how many of its parameters no optimizer trains.
+    errs = [f for f in san.findings if f.severity == "error"]
+    assert [(f.kind, f.tensor, f.step) for f in errs] == [
+        ("param_not_in_optimizer", None, 0)], san.summary()
+    assert errs[0].value == len(NAMES) and "hold none of the model's parameters" in (
+        errs[0].message)
     (note,) = san.coverage()["notes"]
     assert "optimizer[0] holds none of the model's parameters" in note
     assert "TrainSan goes on (policy record)" in note
@@ -226,7 +231,11 @@ def test_b_record_with_the_stale_optimizer_notes_both(tmp_path):
     san.close()
     assert [n["about"] for n in _notes(trace)] == ["optimizer_holds_none", "parameters_replaced"]
     assert len(san.coverage()["notes"]) == 2
-    errs = [f for f in san.findings if f.severity == "error"]
+    # The stale optimizer is an error at the first step after the re-binding (issue 37), the
+    # NaN's at its step.
+    stale = [f for f in san.findings if f.kind == "param_not_in_optimizer"]
+    assert [(f.tensor, f.step) for f in stale] == [(None, 1)], san.summary()
+    errs = [f for f in san.findings if f.severity == "error" and f.kind != stale[0].kind]
     assert errs and min(f.step for f in errs) == NAN_STEP, san.summary()
     assert {f.tensor for f in errs if f.kind == "nonfinite_grad"} == set(NAMES)
 
@@ -388,6 +397,9 @@ def test_fsdp_optimizer_before_fully_shard_record_goes_on(fsdp_results):
     assert r["steps"] == 5 and r["steps_checked"] == 5, r
     (note,) = r["notes"]
     assert "sharded DTensors" in note and "fully_shard" in note, note
+    # Recorded as an error too (issue 37), at the first step; the model's only error.
+    assert [(f["kind"], f["step"]) for f in r["findings"] if f["severity"] == "error"] == [
+        ("param_not_in_optimizer", 0)], r
 
 
 def test_fsdp_attach_before_fully_shard_record_rebinds(fsdp_results):
@@ -397,9 +409,17 @@ def test_fsdp_attach_before_fully_shard_record_rebinds(fsdp_results):
         assert any("no longer the model's" in n and "re-binds" in n for n in r["notes"]), r
         # Re-bound to the sharded parameters: the last step read every one's gradient shard.
         assert r["grads_read"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], r
-    assert not [f for f in fsdp_results["attach_before"]["findings"]
-                if f["severity"] == "error"], fsdp_results["attach_before"]
-    errs = [f for f in fsdp_results["attach_before_nan"]["findings"] if f["severity"] == "error"]
+    # The optimizer was built before fully_shard too: after the re-binding it holds none of the
+    # sharded parameters, an error at the first step after it (issue 37; it was silent).
+    for scenario in ("attach_before", "attach_before_nan"):
+        stale = [(f["kind"], f["tensor"], f["step"]) for f in fsdp_results[scenario]["findings"]
+                 if f["kind"] == "param_not_in_optimizer"]
+        assert stale == [("param_not_in_optimizer", None, 1)], fsdp_results[scenario]
+    assert [f for f in fsdp_results["attach_before"]["findings"] if f["severity"] == "error"
+            ] == [f for f in fsdp_results["attach_before"]["findings"]
+                  if f["kind"] == "param_not_in_optimizer"], fsdp_results["attach_before"]
+    errs = [f for f in fsdp_results["attach_before_nan"]["findings"]
+            if f["severity"] == "error" and f["kind"] != "param_not_in_optimizer"]
     assert errs and min(f["step"] for f in errs) == 3, errs
     assert {f["tensor"] for f in errs if f["kind"] == "nonfinite_grad"} == {
         "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}, errs
@@ -441,6 +461,7 @@ def test_launcher_optimizer_before_record_completes(launched):
     assert r.returncode == 0 and "done" in r.stdout, r.stderr
     assert "Traceback" not in r.stderr and "could not attach" not in r.stderr, r.stderr
     assert "note: trainsan.attach: optimizer[0] holds none of the model's parameters" in r.stderr
+    assert "param_not_in_optimizer" in r.stderr, r.stderr  # and recorded as an error (issue 37)
 
 
 def test_launcher_probe_before_record_rebinds_and_completes(launched):
