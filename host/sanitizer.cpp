@@ -515,6 +515,27 @@ int64_t SanitizerImpl::tracked_index(int64_t given, const char* what) const {
   return tracked_of[static_cast<size_t>(given)];
 }
 
+namespace {
+
+// The rules that judge an optimizer's step and return at once in manual mode (ModeCheck::on_step,
+// StepIntegrityCheck, the GradTracker's discarded gradients, param_not_in_optimizer,
+// update_underflow, the resume facts of an optimizer): unchecked there, with the reason.
+bool judges_an_optimizer_step(Kind kind) {
+  switch (kind) {
+    case Kind::eval_mode:
+    case Kind::skipped_step:
+    case Kind::param_not_in_optimizer:
+    case Kind::update_outside_step:
+    case Kind::update_underflow:
+    case Kind::optimizer_reset:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 // Note [Coverage]: what each enabled kind needs comes from kinds.def's `needs` column; a kind
 // whose need never arrived is listed in `unchecked` with the reason. The `event` and `python`
 // kinds are listed only for a caller that does not gather their facts itself (a C++ program;
@@ -541,6 +562,10 @@ Coverage SanitizerImpl::coverage_now() const {
                : "no optimizer step was seen (the optimizer passed to attach() never stepped; "
                  "LibTorch: call end_step())";
   const std::string no_loss = "no loss was watched (san.watch_loss(loss), or san.end_step(loss))";
+  const std::string no_optimizer =
+      "no optimizer was attached (manual mode: steps are delimited by training forwards, and "
+      "this rule judges an optimizer's step); pass the optimizer to attach() — a "
+      "torch.optim.Optimizer, or any object with step() and param_groups";
   for (const KindInfo& k : kinds()) {
     if (!opts.enabled(k.name)) continue;
     const std::string needs = k.needs;
@@ -580,6 +605,7 @@ Coverage SanitizerImpl::coverage_now() const {
                 ? std::string("needs the Python package: ") + k.libtorch
                 : std::string("its facts never arrived (LibTorch: ") + k.libtorch + ")";
     }
+    if (why.empty() && setup.manual && judges_an_optimizer_step(k.kind)) why = no_optimizer;
     if (!why.empty()) c.unchecked.emplace_back(k.name, why);
   }
   return c;

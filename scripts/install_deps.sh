@@ -65,6 +65,11 @@ if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
   # `report --png` (tests/python/test_bounded_trace.py's plot of a bounded trace); no torch
   # requirement.
   has matplotlib || need_test+=("matplotlib==3.10.8")
+  # tests/python/test_fastai.py (fastai's own Optimizer, its Learner and callbacks under the
+  # launcher and attach: Note [Optimizer-like objects]). fastai 2.8.12 accepts torch<2.12 and
+  # brings torchvision 0.26.0, built for torch 2.11.0 (so the pinned torch stays), and spacy
+  # through fastprogress; about 40 s when missing.
+  has fastai || need_test+=("fastai==2.8.12")
   if [ ${#need_test[@]} -gt 0 ]; then
     echo "install_deps: pip install ${need_test[*]} (test-only, best effort)"
     if ! "$PY" -m pip install --quiet --disable-pip-version-check \

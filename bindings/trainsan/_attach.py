@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from . import _compile
+from ._optimizer_like import inner_torch_optimizer, optimizer_like
 from ._patches import _attached, attached_to
 from ._tables import KINDS, OPTIONS
 from .sanitizer import Sanitizer
@@ -20,8 +21,8 @@ __all__ = ["attach", "attached"]
 
 def _unwrap_optimizer(o: Any) -> Any:
     """The torch optimizer inside a wrapper (accelerate's AcceleratedOptimizer, Lightning's
-    LightningOptimizer: anything with an ``.optimizer`` attribute that is not itself a working
-    torch optimizer). A real Optimizer subclass that wraps another (Lookahead) is kept: its own
+    LightningOptimizer, fastai's OptimWrapper: anything with an ``.optimizer`` attribute, or a
+    torch optimizer in ``.opt``, that is not itself a working torch optimizer). A real Optimizer subclass that wraps another (Lookahead) is kept: its own
     step is the update."""
     for _ in range(8):
         if isinstance(o, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in o.__dict__:
@@ -29,6 +30,8 @@ def _unwrap_optimizer(o: Any) -> Any:
         inner = getattr(o, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             inner = getattr(o, "_optimizer", None)
+        if inner is None:
+            inner = inner_torch_optimizer(o)  # fastai's OptimWrapper: .opt
         if inner is None or inner is o:
             return o
         o = inner
@@ -91,11 +94,16 @@ def attach(
             opts = list(optimizer)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
-                "trainsan.attach: optimizer must be a torch.optim.Optimizer or a list of them, "
-                f"got {type(optimizer).__name__}"
+                "trainsan.attach: optimizer must be a torch.optim.Optimizer or a list of them, or "
+                "an optimizer-like object (a class with a step() method and param_groups, a list "
+                f"of dicts each holding 'params'), got {type(optimizer).__name__}"
             ) from None
     opts = [_unwrap_optimizer(o) for o in opts]
     for k, o in enumerate(opts):
+        if optimizer_like(o):  # Note [Optimizer-like objects] (fastai's Optimizer)
+            if not any(len(g["params"]) for g in o.param_groups):
+                raise ValueError(f"trainsan.attach: optimizer[{k}] has no parameters")
+            continue
         if not isinstance(o, torch.optim.Optimizer) or "_optimizer_step_pre_hooks" not in o.__dict__:
             if isinstance(o, torch.optim.Optimizer):
                 raise TypeError(
@@ -105,7 +113,9 @@ def attach(
                 )
             raise TypeError(
                 f"trainsan.attach: optimizer[{k}] must be a torch.optim.Optimizer (or a wrapper "
-                f"holding one in .optimizer), got {type(o).__name__}"
+                "holding one in .optimizer), or an optimizer-like object (a class with a step() "
+                "method and param_groups, a list of dicts each holding 'params'), got "
+                f"{type(o).__name__}"
             )
         if not any(len(g["params"]) for g in o.param_groups):
             raise ValueError(f"trainsan.attach: optimizer[{k}] has no parameters")

@@ -93,6 +93,25 @@ class Held(Gatherer):
         return []
 
 
+class Adopted(Gatherer):
+    """Optimizer-like objects given a torch optimizer's step hooks while watched (Note
+    [Optimizer-like objects], _optimizer_like.py), released at close."""
+
+    def __init__(self, optimizers: list) -> None:
+        from . import _optimizer_like
+
+        self._like, self._optimizers = _optimizer_like, []
+        for o in optimizers:
+            _optimizer_like.adopt(o)
+            self._optimizers.append(o)
+
+    def close(self) -> list:
+        optimizers, self._optimizers = self._optimizers, []
+        for o in optimizers:
+            self._like.release(o)
+        return []
+
+
 class LabelWindow(Gatherer):
     """The label guard (audit.LabelGuard) pushed for the audited window: from a training forward
     the C++ side audits to the optimizer step."""

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import trainsan
 
-from . import _compile, _journal, _patches
+from . import _compile, _journal, _optimizer_like, _patches
 from ._facts import script_names
 from ._gatherers import RootlessForwards
 from ._registry import Patch
@@ -192,6 +192,7 @@ class Pairer:
         self._module_hooks: list = []
         self._step_hook = None
         self._installed = False  # holds the load journal, "optimizer_init" and "backward"
+        self._like_calls = 0  # grad-enabled top-level calls with no optimizer (_look_for_like)
 
     # installation -------------------------------------------------------------------------------
 
@@ -285,6 +286,13 @@ class Pairer:
                 p.ids & ids for p in self._active()):
             return  # nothing to train, refused, or attached (itself, a wrapper or a submodule)
         opts = self._candidates(ids)
+        if not opts and not len(self._order) and grad and self._look_for_like():
+            # No torch optimizer in the script: one of its own kind (fastai's Optimizer) that
+            # holds this module's parameters is paired as a torch one would be (Note
+            # [Optimizer-like objects]).
+            for opt in _optimizer_like.holding(ids):
+                self._optimizer_built(opt)
+            opts = self._candidates(ids)
         if not opts:
             if grad and model.training and not len(self._order):
                 # no optimizer in the script: a loop updating p.data by hand (manual mode)
@@ -310,6 +318,12 @@ class Pairer:
             san.training_forward(*args)
         elif san is not None and RootlessForwards.needed(model):
             san.training_forward(*args)  # this call was the first of its submodules' calls
+
+    def _look_for_like(self) -> bool:
+        """Whether this call looks for optimizer-like objects (a walk of the garbage collector's
+        objects): at the 1st, 2nd, 4th, 8th, ... grad-enabled top-level call without one."""
+        self._like_calls += 1
+        return self._like_calls & (self._like_calls - 1) == 0
 
     def _free(self, roots: list) -> list:
         """Of `roots`, those not refused and not attached (through themselves or another)."""

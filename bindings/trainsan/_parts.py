@@ -6,10 +6,11 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from . import _compile, _native, _patches
-from ._gatherers import (CustomGrads, Gatherer, Held, Hooks, LabelWindow, ParamsLive, Provenances,
-                         Replicas, Reruns, Resumes, RootlessForwards, SavedTensors)
-from ._journal import journal
+from ._gatherers import (Adopted, CustomGrads, Gatherer, Held, Hooks, LabelWindow, ParamsLive,
+                         Provenances, Replicas, Reruns, Resumes, RootlessForwards, SavedTensors)
 from ._hooks import _getstate_patch, _Hook, _weak_method
+from ._journal import journal
+from ._optimizer_like import optimizer_like
 from ._patches import (_forward_clock, _loader_patch, _loss_patch, _save_patch, _scaler_patch,
                        _zero_grad_patch)
 from ._tables import OPTIONS, enabled
@@ -103,6 +104,14 @@ def _label_window(s: Setup) -> Optional[Gatherer]:
 @part("getstate")
 def _getstate(s: Setup) -> Gatherer:
     return Held(_getstate_patch)  # a pickled model carries none of the hooks below
+
+
+@part("optimizer_like")
+def _optimizer_like_part(s: Setup) -> Optional[Gatherer]:
+    """Note [Optimizer-like objects]: the attached optimizers that are not torch's get its step
+    hooks (before the model_hooks part registers them)."""
+    like = [o for o in s.ctx.optimizers if optimizer_like(o)]
+    return Adopted(like) if like else None
 
 
 @part("model_hooks")
