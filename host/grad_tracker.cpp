@@ -18,6 +18,10 @@ at::Tensor TrackedParam::data() const { return readable(local.defined() ? local 
 
 namespace {
 
+// Consecutive steps after a cleared micro-batch that are skipped_step (Note [Micro-batches
+// cleared]).
+constexpr int64_t kMicroSteps = 2;
+
 // Post-hook on a parameter's AccumulateGrad node (the pattern of DDP's reducer): runs after the
 // gradient has been accumulated into .grad, on the autograd engine's thread. Bookkeeping only.
 struct AccumulatePostHook : torch::autograd::FunctionPostHook {
@@ -123,6 +127,19 @@ int64_t GradTracker::training_forward(std::vector<std::string>* skipped) {
   return backwards_since_step_;
 }
 
+// Note [Micro-batches cleared]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Gradient accumulation with zero_grad() inside the micro-batch loop: each micro-batch's backward
+// is cleared before the next one, so the step uses only the last micro-batch's gradient. With two
+// micro-batches a step there is one unused clear per step, which the "cleared twice without a
+// step" rule above never sees. What tells such a clear from the legitimate ones: the cleared
+// gradient was produced with no optimizer step anywhere since (a GAN's generator gradients from
+// the discriminator's backward are cleared after the discriminator's step), the parameter did not
+// change since (SAM's first step moves the weights with that gradient, then clears it), and it
+// repeats: kMicroSteps consecutive steps of the parameter's optimizer each used a gradient made
+// after such a clear (a one-off probe backward before the loop, or a batch skipped once, is
+// not). It is skipped_step at that step (StepIntegrityCheck::on_step, GradObservation::
+// micro_cleared), naming the parameters.
 void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
                           std::vector<Consumed>* out) {
   const std::lock_guard<std::mutex> lock(mu_);
@@ -138,6 +155,9 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
     GradState& s = grad_[i];
     Consumed c;
     c.observed = {s.got_grad, s.stale, s.accumulated};
+    // Note [Micro-batches cleared]: this step is the kMicroSteps-th in a row.
+    c.observed.micro_cleared = !manual && params_[i].opt >= 0 && s.got_grad && s.micro_discard &&
+                               s.micro_steps + 1 >= kMicroSteps;
     const at::Tensor& g = params_[i].param.grad();
     c.at_step = !g.defined() ? GradAtStep::kNone
                 : (s.last.get() == g.unsafeGetTensorImpl() && untouched(g, s))
@@ -161,6 +181,9 @@ void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
       }
       s.step_since_clear = true;
       s.unused_clears = 0;
+      // Note [Micro-batches cleared]: a step whose gradient followed a cleared micro-batch's.
+      if (s.got_grad) s.micro_steps = s.micro_discard ? s.micro_steps + 1 : 0;
+      s.micro_discard = false;
     }
     s.got_grad = false;
     s.stale = false;
@@ -339,6 +362,11 @@ void GradTracker::on_grad_accumulated(size_t i) {
       // optimizer in between means its steps are missing.
       s.unused_clears += 1;
       if (s.unused_clears >= 2) s.skipped = true;
+      // Note [Micro-batches cleared]: no optimizer's step since that gradient was produced and
+      // the parameter unchanged: a micro-batch of this step, cleared before the next one.
+      if (s.produced_gen == steps_ && s.param_version == params_[i].param._version()) {
+        s.micro_discard = true;
+      }
     }
     if (!onto_last && !onto_consumed) s.step_since_clear = false;
   }
@@ -351,6 +379,7 @@ void GradTracker::on_grad_accumulated(size_t i) {
   s.produced_since_clear = true;
   s.got_grad = true;
   s.produced_gen = steps_;
+  s.param_version = static_cast<int64_t>(params_[i].param._version());
   s.discard_read = false;
   grad_since_forward_ = true;
   s.last = WeakImpl(g);

@@ -75,7 +75,14 @@ struct GradState {
   bool consumed_latest = false;   // no accumulation since that step
   uint64_t clears_seen = 0;       // its storage's clear count when last recorded
   int64_t unused_clears = 0;      // clears without a step of its optimizer since the last step
-  at::Tensor probe;               // while probing: .grad as the last backward left it had a nonzero
+  // Note [Micro-batches cleared]: the parameter's version when its gradient was last produced;
+  // whether this step's gradient followed a micro-batch's gradient cleared unused (no optimizer
+  // step, no change of the parameter since it was produced); consecutive steps of its optimizer
+  // that did.
+  int64_t param_version = 0;
+  bool micro_discard = false;
+  int64_t micro_steps = 0;
+  at::Tensor probe;  // while probing: .grad as the last backward left it had a nonzero
   // What .grad was right before the current accumulation (set by the pre-hook).
   enum class Before : uint8_t { kFresh, kConsumed, kLast } before = Before::kFresh;
 };

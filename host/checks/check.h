@@ -41,6 +41,9 @@ struct GradObservation {
   bool got_grad = false;     ///< a gradient arrived since the last step of its optimizer
   bool stale = false;        ///< accumulated onto a gradient a step had already consumed
   bool accumulated = false;  ///< (manual mode) accumulated onto an uncleared gradient
+  /// This step, like the one before it, used only the last micro-batch's gradient, the earlier
+  /// ones cleared unused (Note [Micro-batches cleared] in host/grad_tracker.cpp).
+  bool micro_cleared = false;
 };
 
 /// The state of a parameter's .grad when its optimizer stepped.

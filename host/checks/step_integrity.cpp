@@ -55,6 +55,7 @@ void StepIntegrityCheck::on_forward(const ForwardView& v) {
 
 void StepIntegrityCheck::on_step(const StepView& v) {
   if (v.manual || v.partial) return;  // no optimizer step to judge / only its end was seen
+  micro_cleared(v);
   // Cleared before the step: every gradient produced since the previous step of this optimizer
   // was gone at the step — set to None, or zeroed in place after backward() although backward()
   // left it nonzero. Clearing only some (selective freezing) is fine.
@@ -147,6 +148,24 @@ bool StepIntegrityCheck::visible_move(const StepView& v) {
 // learning rate for SGD, less for adaptive optimizers), must exceed 4 ulp of its largest weight
 // (eps * max|θ| bounds the ulp of every element). A step that moved nothing is the whole-step rule
 // above (a converged LBFGS, a failed line search: not this rule).
+// Note [Micro-batches cleared] (host/grad_tracker.cpp): zero_grad() inside the micro-batch loop.
+void StepIntegrityCheck::micro_cleared(const StepView& v) {
+  std::vector<const ParamView*> cleared;
+  for (const ParamView& p : v.params) {
+    if (p.opt == v.opt && p.observed.micro_cleared) cleared.push_back(&p);
+  }
+  if (cleared.empty()) return;
+  const std::string& first = cleared.front()->name;
+  sink_.add(Kind::skipped_step, first,
+            "the gradients of " + std::to_string(cleared.size()) + " parameter(s) (e.g. " + first +
+                ") were cleared by zero_grad() between the backward passes of one step, at this "
+                "step and the one before: each step used only its last micro-batch's gradient "
+                "and threw the earlier micro-batches away — with gradient accumulation, call "
+                "zero_grad() once per optimizer step (after step()), not before every "
+                "micro-batch",
+            static_cast<double>(cleared.size()), v.step);
+}
+
 void StepIntegrityCheck::unchanged_tensors(const StepView& v) {
   double largest_move = 0.0;
   double lr_est = std::numeric_limits<double>::infinity();

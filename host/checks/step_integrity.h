@@ -23,6 +23,7 @@ class StepIntegrityCheck {  // step_integrity.cpp: skipped_step (3 rules), updat
 
  private:
   void unchanged_tensors(const StepView& v);
+  void micro_cleared(const StepView& v);  // Note [Micro-batches cleared]
   static bool visible_move(const StepView& v);
   FindingSink& sink_;
   const Options& opts_;
