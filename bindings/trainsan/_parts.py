@@ -198,9 +198,16 @@ def _replicas(s: Setup) -> Optional[Gatherer]:
     ctx.replicas = None
     if not (enabled("rank_desync", s.checks) and replicas_active()):
         return None
+    engines = _native.drivers()
+    if engines is None:
+        # Note [One orchestration] (bindings/csrc/hot.cpp): the schedule of the comparison's
+        # collectives is C++ only (trainsan::ReplicaEngine).
+        ctx.note("check_off", "trainsan: rank_desync is not checked: its comparison runs in the "
+                 f"_trainsan_hot module ({_native.drivers_problem()})")
+        return None
     ctx.replicas = ReplicaComparison(s.handle, ctx.model, s.names, s.params, ctx.optimizers,
                                      s.options, _weak_method(s.methods["apply"]),
-                                     lambda: _forward_clock[0])
+                                     lambda: _forward_clock[0], engines)
     return Replicas(ctx.replicas)
 
 
