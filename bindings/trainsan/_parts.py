@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 from . import _compile, _native, _patches
@@ -205,9 +206,15 @@ def _replicas(s: Setup) -> Optional[Gatherer]:
         ctx.note("check_off", "trainsan: rank_desync is not checked: its comparison runs in the "
                  f"_trainsan_hot module ({_native.drivers_problem()})")
         return None
-    ctx.replicas = ReplicaComparison(s.handle, ctx.model, s.names, s.params, ctx.optimizers,
-                                     s.options, _weak_method(s.methods["apply"]),
-                                     lambda: _forward_clock[0], engines)
+    try:
+        ctx.replicas = ReplicaComparison(s.handle, ctx.model, s.names, s.params, ctx.optimizers,
+                                         s.options, _weak_method(s.methods["apply"]),
+                                         lambda: _forward_clock[0], engines)
+    except Exception as exc:  # noqa: BLE001 - its machinery (side groups, engines): not the job's
+        why = f"its comparison could not be set up ({type(exc).__name__}: {exc})"
+        warnings.warn(f"trainsan: rank_desync is not checked: {why}", stacklevel=2)
+        ctx.note("check_off", f"trainsan: rank_desync is not checked: {why}")
+        return None
     return Replicas(ctx.replicas)
 
 
