@@ -115,8 +115,8 @@ std::unique_ptr<trainsan::ReplicaEngine> make_replica_engine(
   spec.timeout_s = timeout_s;
   spec.switch_off = std::move(switch_off);  // collective_timeout unset: the side group's own
   trainsan::ReplicaSteps steps;
-  // Called with the GIL released (the engine's calls below): taken to reach the handle, which
-  // the training's Python threads reach under it too.
+  // Called with the GIL released (launch and drain are bound so, below): taken back to reach
+  // the handle, which the training's Python threads reach under it too.
   steps.report = [id, apply = std::move(apply)](const trainsan::ReplicaReport& r) {
     const py::gil_scoped_acquire gil;
     tb::SanitizerHandle& h = handle(id);
