@@ -1,35 +1,48 @@
-// rank_desync for a LibTorch program: the replica comparison over a c10d process group
+// rank_desync's schedule of collectives (trainsan::ReplicaEngine, trainsan/replica_engine.h) and
+// the replica comparison of a LibTorch program over a c10d process group that drives it
 // (trainsan::compare_replicas, trainsan/replicas.h).
 //
 // Note [Replica comparison over c10d]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The C++ twin of bindings/trainsan/replicas.py (Note [Replica comparison]) for one replica set:
-// the caller's group, whose every rank holds a replica of every parameter of the sanitizer (a
-// data-parallel program). Per step event of an optimizer (the step pass, or a step its
-// scaler skipped) every rank builds its row (trainsan::replica_row, Note [Replica payload]) from
-// the pass's fingerprints (Sanitizer::take_fingerprints' StepFingerprints), all-reduces (MAX)
-// [row, ~row] on the group, and reads the result at its next event (or at close()), so the
-// training does not wait for it; the verdict is trainsan::judge_replica_payload. Where something
-// differs, an all-gather of the rows on the same group tells which ranks hold which value (Python
-// asks the store instead; the schedule of collectives depends only on the sequence of events, so
-// every rank issues the gather at the same place in its sequence). Differences from Python: the
-// weights replicas start from are compared when compare_replicas() is called (before the loop,
-// not at the first optimizer step); the optimizer state's slot stays empty (a
-// torch::optim::Optimizer's state is not readable generically); the ranks are the group's own
-// (0..size-1); a rank that does not arrive within desync_timeout is reported as the other ranks
-// of the group (no store exchange says which closed early).
+// One ReplicaEngine per replica set owns the schedule of its collectives, for both drivers: this
+// file's PgReplicaDriver (a LibTorch program's compare_replicas) and the Python package
+// (bindings/trainsan/replicas.py, Note [Replica comparison], through _trainsan_hot: Note [One
+// orchestration] in bindings/csrc/hot.cpp, which takes the side group as a c10d::ProcessGroup by
+// torch's pybind11 caster). Per step event the driver gives the engine what this rank knows
+// (ReplicaRowFacts); the engine builds the row (trainsan::replica_row, Note [Replica payload]),
+// all-reduces (MAX) [row, ~row] on the set's group and reads the result at the next event
+// (drain(1); drain(0) at close), so the training does not wait for it; the verdict is
+// trainsan::judge_replica_payload. A comparison that does not complete within desync_timeout
+// seconds (polled: Work::isCompleted), or fails (a peer left), reports the missing ranks
+// (ReplicaReport::kMissing) and the set is not compared any more; nor after the ranks were found
+// out of step, skipping differently or at different training forwards (their sequences no longer
+// pair up), nor when they are not replicas (a warning). The Work of a comparison given up on stays
+// referenced until the engine goes. The schedule depends only on the sequence of events, never
+// on timing, so every rank issues the same collectives in the same order.
 //
-// A comparison that does not complete within desync_timeout seconds (polled: Work::isCompleted)
-// or fails (a peer left) reports the missing ranks (ReplicaReport::kMissing) and ends the
-// comparison; the Work stays referenced here until the sanitizer goes. A failure of the
-// comparison's own machinery stops it with a warning on stderr, never reaching the training.
+// What differs between the drivers is injected (ReplicaSteps), with c10d defaults:
+// * which members are missing: by default every other rank of the group; Python reads the
+//   store's closed/late keys (a rank that closed its sanitizer after fewer comparisons is named,
+//   and polled for while waiting, so the wait ends at once);
+// * which rank holds which value, where something differs: by default an all-gather of the rows
+//   on the group (a failure ends the comparison: later collectives would pair with the wrong
+//   ones); Python asks the store, which pairs nothing by order;
+// * the reports (the sanitizer's replica_report) and the warning when the comparison stops
+//   (stderr here, warnings.warn in Python).
+// What the drivers themselves still do differently: this one compares one set (every parameter
+// of the sanitizer over the caller's group, whose ranks are 0..size-1; no DTensor placements, no
+// optimizer state: a torch::optim::Optimizer's state is not readable generically) and compares
+// the weights replicas start from when compare_replicas() is called (before the loop), Python at
+// the first optimizer step. A failure of the comparison's own machinery stops it with a warning,
+// never reaching the training.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <iostream>
 #include <map>
-#include <set>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -39,35 +52,19 @@
 
 #include "checks/replicas.h"
 #include "feeds/replica_feed.h"
+#include "trainsan/replica_engine.h"
 #include "trainsan/replicas.h"
 
 namespace trainsan {
-namespace host {
-
-struct ReplicaAccess {
-  static SanitizerImpl& impl(Sanitizer& san) { return *san.impl_; }
-  static void report(Sanitizer& san) { san.report(); }  // the policy's answer to new findings
-};
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 // An error's message for a finding: a c10::Error without its C++ backtrace.
 std::string brief(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
-}
-
-using Clock = std::chrono::steady_clock;
-
-uint64_t fold(uint64_t h, const std::string& s) {
-  for (const unsigned char c : s) h = (h ^ c) * 0x100000001B3ULL;
-  return (h ^ 0xFF) * 0x100000001B3ULL;  // a separator, so ("ab","c") != ("a","bc")
-}
-
-std::string layout_of(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes() << ' ' << t.scalar_type();
-  return os.str();
 }
 
 at::Tensor to_tensor(const std::vector<int64_t>& v) {
@@ -80,40 +77,293 @@ std::vector<int64_t> to_vector(const at::Tensor& t) {
   return {d, d + c.numel()};
 }
 
+}  // namespace
+
+// -- ReplicaEngine ----------------------------------------------------------------------------
+
+ReplicaEngine::ReplicaEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, ReplicaSetSpec spec,
+                             ReplicaSteps steps)
+    : group_(std::move(group)),
+      spec_(std::move(spec)),
+      steps_(std::move(steps)),
+      timeout_(spec_.timeout_s) {
+  TORCH_CHECK_VALUE(group_, "trainsan::ReplicaEngine: the process group is null");
+  TORCH_CHECK_VALUE(steps_.report, "trainsan::ReplicaEngine: no report step");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(spec_.ranks.size()) == group_->getSize(),
+                    "trainsan::ReplicaEngine: ", spec_.ranks.size(), " ranks named for a group of ",
+                    group_->getSize());
+  TORCH_CHECK_VALUE(spec_.members.size() == spec_.member_names.size(),
+                    "trainsan::ReplicaEngine: members and member_names differ in length");
+  TORCH_CHECK_VALUE(spec_.timeout_s > 0, "trainsan::ReplicaEngine: timeout_s must be positive");
+}
+
+ReplicaEngine::~ReplicaEngine() = default;
+
+void ReplicaEngine::launch(ReplicaRowFacts facts, bool first) {
+  if (dead_) return;
+  facts.digest = spec_.digest;
+  std::vector<int64_t> row = replica_row(facts, spec_.members, spec_.buffer_names.size());
+  std::vector<int64_t> both = row;
+  for (const int64_t x : row) both.push_back(~x);
+  std::vector<at::Tensor> payload{to_tensor(both)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  if (spec_.collective_timeout) o.timeout = *spec_.collective_timeout;
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = group_->allreduce(payload, o);
+  } catch (const std::exception& e) {  // the group is gone (torn down)
+    give_up("its collective failed: " + brief(e));
+    return;
+  }
+  in_flight_.push_back(
+      {std::move(work), payload[0], std::move(row), launched_++, facts.step, facts.opt, first});
+}
+
+void ReplicaEngine::give_up(const std::string& why) {
+  if (dead_) return;
+  dead_ = true;
+  if (steps_.warn) {
+    steps_.warn(why);
+  } else {
+    std::cerr << "trainsan: rank_desync stops comparing " << spec_.context << ": " << why << "\n";
+  }
+}
+
+// Waits for `work` up to timeout_s, asking gone() now and then whether a member will never come.
+// "" when it completed; otherwise why not (`timed_out`: the time ran out).
+std::string ReplicaEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, int64_t seq,
+                                bool& timed_out) {
+  const auto t0 = Clock::now();
+  auto next_look = t0 + std::chrono::milliseconds(50);
+  timed_out = false;
+  while (!work->isCompleted()) {
+    const auto now = Clock::now();
+    const auto spent = now - t0;
+    if (spent >= timeout_) {
+      timed_out = true;
+      return "it did not complete";
+    }
+    if (steps_.gone && now >= next_look) {
+      next_look = now + std::chrono::milliseconds(500);
+      if (steps_.gone(seq)) return "a member closed before it";
+    }
+    std::this_thread::sleep_for(spent < std::chrono::milliseconds(10)
+                                    ? std::chrono::microseconds(200)
+                                    : std::chrono::microseconds(5000));
+  }
+  try {
+    work->wait();
+  } catch (const std::exception& e) {  // a peer left: connection closed
+    return "the comparison failed: " + brief(e).substr(0, 200);
+  }
+  return "";
+}
+
+void ReplicaEngine::drain(size_t keep) {
+  while (in_flight_.size() > keep && !dead_) {
+    InFlight f = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    bool timed_out = false;
+    const std::string err = wait(f.work, f.seq, timed_out);
+    if (!err.empty()) {
+      gone_.push_back({f.work, {f.payload}});
+      missing(f, timed_out, err.rfind("the comparison failed: ", 0) == 0 ? err : "");
+      return;
+    }
+    judge(f);
+  }
+}
+
+void ReplicaEngine::missing(const InFlight& f, bool timed_out, const std::string& error) {
+  ReplicaMissing m;
+  if (steps_.missing) {
+    m = steps_.missing(f.seq, timed_out);
+  } else {
+    for (const int64_t r : spec_.ranks) {
+      if (r != spec_.rank) {
+        m.ranks.push_back(r);
+        m.detail.emplace_back();
+      }
+    }
+  }
+  ReplicaReport r = report_of(f, ReplicaReport::Moment::kMissing);
+  r.missing = std::move(m.ranks);
+  r.missing_detail = std::move(m.detail);
+  const bool said = std::any_of(r.missing_detail.begin(), r.missing_detail.end(),
+                                [](const std::string& d) { return !d.empty(); });
+  if (!error.empty() && !said) r.missing_detail.push_back(error);
+  r.waited_s = timed_out ? spec_.timeout_s : 0.0;
+  dead_ = true;  // later collectives would pair with the wrong ones
+  for (InFlight& g : in_flight_) gone_.push_back({g.work, {g.payload}});
+  in_flight_.clear();
+  steps_.report(r);
+}
+
+ReplicaReport ReplicaEngine::report_of(const InFlight& f, ReplicaReport::Moment m) const {
+  ReplicaReport r;
+  r.moment = m;
+  r.step = f.step;
+  r.opt = f.opt;
+  r.group = spec_.context;
+  r.ranks = spec_.ranks;
+  return r;
+}
+
+// The c10d rows step: every member's row by an all-gather on the group, `fields` of each.
+std::optional<std::vector<std::vector<int64_t>>> ReplicaEngine::gather(
+    int64_t seq, const std::vector<int64_t>& row, const std::vector<int64_t>& fields) {
+  std::vector<at::Tensor> in{to_tensor(row)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (size_t k = 0; k < spec_.ranks.size(); ++k) out[0].push_back(at::empty_like(in[0]));
+  c10d::AllgatherOptions o;
+  if (spec_.collective_timeout) o.timeout = *spec_.collective_timeout;
+  auto work = group_->allgather(out, in, o);
+  bool timed_out = false;
+  if (!wait(work, seq, timed_out).empty()) {
+    std::vector<at::Tensor> held = in;
+    held.insert(held.end(), out[0].begin(), out[0].end());
+    gone_.push_back({work, std::move(held)});
+    dead_ = true;  // the sequences of collectives no longer pair up
+    return std::nullopt;
+  }
+  std::vector<std::vector<int64_t>> rows;
+  for (const at::Tensor& t : out[0]) {
+    const std::vector<int64_t> all = to_vector(t);
+    std::vector<int64_t> picked;
+    for (const int64_t field : fields) picked.push_back(all.at(static_cast<size_t>(field)));
+    rows.push_back(std::move(picked));
+  }
+  return rows;
+}
+
+void ReplicaEngine::judge(const InFlight& f) {
+  using O = ReplicaVerdict::Outcome;
+  using Moment = ReplicaReport::Moment;
+  const std::vector<int64_t> both = to_vector(f.payload);
+  const size_t n = both.size() / 2;
+  std::vector<int64_t> hi(both.begin(), both.begin() + static_cast<std::ptrdiff_t>(n)), lo;
+  for (size_t k = 0; k < n; ++k) lo.push_back(~both[n + k]);
+  const std::vector<std::pair<std::string, std::string>> known(known_.begin(), known_.end());
+  const ReplicaVerdict v =
+      judge_replica_payload(hi, lo, spec_.member_names, spec_.buffer_names, known);
+  if (v.outcome == O::kAgree) return;
+  if (v.outcome == O::kNotReplicas) {
+    give_up(
+        "the ranks hold different parameters (names, shapes, dtypes or placements) in it, so "
+        "they are not replicas of one model (pipeline stages?); switch the check off with " +
+        spec_.switch_off + " if intended");
+    return;
+  }
+  // Which member holds which value: the fields the verdict asks for, from every member.
+  const std::optional<std::vector<std::vector<int64_t>>> rows =
+      steps_.rows ? steps_.rows(f.seq, f.row, v.fetch) : gather(f.seq, f.row, v.fetch);
+  auto column = [&](int64_t field) {
+    std::vector<int64_t> out;
+    const auto at = std::find(v.fetch.begin(), v.fetch.end(), field);
+    if (!rows || at == v.fetch.end()) return out;
+    const auto c = static_cast<size_t>(at - v.fetch.begin());
+    for (const auto& r : *rows) out.push_back(r.at(c));
+    return out;
+  };
+  ReplicaReport r = report_of(f, Moment::kAfterStep);
+  if (v.forwards_differ) r.forwards = column(ReplicaRow::kForwards);
+  if (v.outcome == O::kOutOfStep) {
+    r.steps_at = column(ReplicaRow::kStep);
+    dead_ = true;  // the sequences no longer pair up
+  } else if (v.outcome == O::kSkipsDiffer) {
+    for (const int64_t s : column(ReplicaRow::kSkipped)) r.skipped.push_back(s != 0);
+    dead_ = true;  // every comparison after this one differs: said once
+  } else {
+    if (f.first) r.moment = Moment::kBeforeFirstStep;
+    for (const ReplicaVerdict::Differ& d : v.differ) {
+      known_.insert({d.what, d.tensor});
+      ReplicaMismatch m{d.tensor, d.what, {}};
+      if (d.shown && rows) m.labels = replica_labels(column(d.field));
+      r.mismatches.push_back(std::move(m));
+    }
+    r.grads_agree = v.grads_compared && !v.grads_differ;
+    if (v.forwards_differ) dead_ = true;  // out of step: later comparisons pair different steps
+  }
+  steps_.report(r);
+}
+
+// -- compare_replicas: one set over the caller's group ----------------------------------------
+
+namespace host {
+
+struct ReplicaAccess {
+  static SanitizerImpl& impl(Sanitizer& san) { return *san.impl_; }
+  static void report(Sanitizer& san) { san.report(); }  // the policy's answer to new findings
+};
+
+namespace {
+
+uint64_t fold(uint64_t h, const std::string& s) {
+  for (const unsigned char c : s) h = (h ^ c) * 0x100000001B3ULL;
+  return (h ^ 0xFF) * 0x100000001B3ULL;  // a separator, so ("ab","c") != ("a","bc")
+}
+
+std::string layout_of(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << ' ' << t.scalar_type();
+  return os.str();
+}
+
+// The engine's spec for the sanitizer's parameters (and buffers) over `group`.
+ReplicaSetSpec spec_of(const FeedContext& ctx, const c10d::ProcessGroup& group, ReplicaSetup& setup,
+                       std::vector<at::Tensor>& buffers) {
+  ReplicaSetSpec spec;
+  spec.context = setup.name.empty()
+                     ? "the data-parallel group (the process group given to compare_replicas)"
+                     : setup.name;
+  for (int r = 0; r < group.getSize(); ++r) spec.ranks.push_back(r);
+  spec.rank = group.getRank();
+  uint64_t h = fold(0xCBF29CE484222325ULL, spec.context + "/" + std::to_string(spec.ranks.size()));
+  for (size_t i = 0; i < ctx.params.size(); ++i) {
+    spec.members.push_back(static_cast<int64_t>(i));
+    spec.member_names.push_back(ctx.params[i].name);
+    h = fold(fold(h, ctx.params[i].name), layout_of(ctx.params[i].data()));
+  }
+  if (ctx.opts.desync_buffers) {
+    for (const auto& [name, t] : setup.buffers) {
+      if (!t.defined()) continue;
+      spec.buffer_names.push_back(name);
+      buffers.push_back(t);
+      h = fold(fold(h, "buffer " + name), layout_of(t));
+    }
+  }
+  spec.digest = static_cast<int64_t>(h);
+  spec.timeout_s = ctx.opts.desync_timeout;
+  // Past desync_timeout (which the engine polls, so that a missing rank is reported as such),
+  // and finite, so that a collective given up on ends by itself.
+  spec.collective_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::duration<double>(2 * spec.timeout_s)) +
+                            std::chrono::milliseconds(1000);
+  return spec;
+}
+
+// The events of the sanitizer's optimizers, paired with their passes' fingerprints, for one
+// engine.
 class PgReplicaDriver final : public ReplicaFeed::Driver {
  public:
   PgReplicaDriver(ReplicaFeed& feed, c10::intrusive_ptr<c10d::ProcessGroup> group,
                   ReplicaSetup setup)
-      : feed_(feed), ctx_(feed.context()), group_(std::move(group)), setup_(std::move(setup)) {
-    if (setup_.name.empty()) {
-      setup_.name = "the data-parallel group (the process group given to compare_replicas)";
-    }
-    for (int r = 0; r < group_->getSize(); ++r) ranks_.push_back(r);
-    uint64_t h = fold(0xCBF29CE484222325ULL, setup_.name + "/" + std::to_string(ranks_.size()));
-    for (size_t i = 0; i < ctx_.params.size(); ++i) {
-      members_.push_back(static_cast<int64_t>(i));
-      names_.push_back(ctx_.params[i].name);
-      h = fold(fold(h, ctx_.params[i].name), layout_of(ctx_.params[i].data()));
-    }
-    if (ctx_.opts.desync_buffers) {
-      for (const auto& [name, t] : setup_.buffers) {
-        if (!t.defined()) continue;
-        buffer_names_.push_back(name);
-        buffers_.push_back(t);
-        h = fold(fold(h, "buffer " + name), layout_of(t));
-      }
-    }
-    digest_ = static_cast<int64_t>(h);
-    timeout_ = std::chrono::duration<double>(ctx_.opts.desync_timeout);
+      : feed_(feed), ctx_(feed.context()), setup_(std::move(setup)) {
+    ReplicaSteps steps;
+    steps.report = [this](const ReplicaReport& r) {
+      ctx_.events_seen.insert("rank_desync");
+      ctx_.checks.replicas.on_report(r);
+    };
+    ReplicaSetSpec spec = spec_of(ctx_, *group, setup_, buffers_);
+    engine_ = std::make_unique<ReplicaEngine>(std::move(group), std::move(spec), std::move(steps));
   }
 
   // The weights the replicas start from: one blocking comparison.
   void first() {
     guarded([&] {
-      Event ev;
+      ReplicaRowFacts ev;
       ev.forwards = ctx_.coverage.training_forwards;
-      ev.waiting = false;
-      ev.first = true;
       std::vector<at::Tensor> ts;
       for (const TrackedParam& p : ctx_.params) ts.push_back(p.data().detach());
       const std::vector<TensorStats> stats = tensor_stats(ts);
@@ -123,13 +373,13 @@ class PgReplicaDriver final : public ReplicaFeed::Driver {
         ev.fingerprints.grad.push_back(0);
         ev.fingerprints.has_grad.push_back(false);
       }
-      launch(ev);
-      drain(0);
+      engine_->launch(std::move(ev), /*first=*/true);
+      engine_->drain(0);
     });
   }
 
   void on_event(int64_t opt, bool skipped) override {
-    if (dead_) return;
+    if (engine_->stopped()) return;
     guarded([&] {
       Event ev;
       ev.opt = opt;
@@ -140,7 +390,7 @@ class PgReplicaDriver final : public ReplicaFeed::Driver {
       ev.forwards = ctx_.coverage.training_forwards;
       ev.waiting = !skipped && feed_.enabled && ctx_.checks.replicas.fingerprint_due(ev.step);
       const bool sampled = !skipped && ctx_.checks.replicas.grads_due(ev.step);
-      if (ev.waiting && sampled && setup_.grads) ev.grads = members_;
+      if (ev.waiting && sampled && setup_.grads) ev.grads = engine_->spec().members;
       if (sampled && !buffers_.empty()) {
         std::vector<at::Tensor> ts;
         for (const at::Tensor& b : buffers_) ts.push_back(b.detach());
@@ -154,19 +404,12 @@ class PgReplicaDriver final : public ReplicaFeed::Driver {
   }
 
   void finish() override {
-    if (!dead_) guarded([&] { pump(true); });
+    if (!engine_->stopped()) guarded([&] { pump(true); });
   }
 
  private:
   struct Event : ReplicaRowFacts {
     bool waiting = true;  // its pass's fingerprints have not landed yet
-    bool first = false;   // before the first step
-  };
-  struct InFlight {
-    c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor payload;
-    std::vector<int64_t> row;
-    Event ev;
   };
 
   template <typename F>
@@ -174,14 +417,8 @@ class PgReplicaDriver final : public ReplicaFeed::Driver {
     try {
       fn();
     } catch (const std::exception& e) {
-      give_up(std::string("its comparison failed: ") + brief(e));
+      engine_->give_up(std::string("its comparison failed: ") + brief(e));
     }
-  }
-
-  void give_up(const std::string& why) {
-    if (dead_) return;
-    dead_ = true;
-    std::cerr << "trainsan: rank_desync stops comparing " << setup_.name << ": " << why << "\n";
   }
 
   // Attach landed fingerprints to their events, launch the comparisons that are ready and read
@@ -200,194 +437,25 @@ class PgReplicaDriver final : public ReplicaFeed::Driver {
         if (ev.step < fp.step) ev.waiting = false;  // its pass was never checked
       }
     }
-    while (!fifo_.empty() && (!fifo_.front().waiting || final) && !dead_) {
-      launch(fifo_.front());
+    while (!fifo_.empty() && (!fifo_.front().waiting || final) && !engine_->stopped()) {
+      engine_->launch(std::move(fifo_.front()));
       fifo_.pop_front();
     }
-    drain(final ? 0 : 1);
-  }
-
-  void launch(Event ev) {
-    ev.digest = digest_;
-    std::vector<int64_t> row = replica_row(ev, members_, buffers_.size());
-    std::vector<int64_t> both = row;
-    for (const int64_t x : row) both.push_back(~x);
-    std::vector<at::Tensor> payload{to_tensor(both)};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::MAX;
-    o.timeout = collective_timeout();
-    auto work = group_->allreduce(payload, o);
-    in_flight_.push_back({std::move(work), payload[0], std::move(row), std::move(ev)});
-  }
-
-  // The collective's own timeout: past desync_timeout (which wait() polls, so that a missing
-  // rank is reported as such), and finite, so that a collective given up on ends by itself.
-  std::chrono::milliseconds collective_timeout() const {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(2 * timeout_) +
-           std::chrono::milliseconds(1000);
-  }
-
-  // Waits for `work` up to desync_timeout. "" when it completed, else why not (`timed_out`).
-  std::string wait(const c10::intrusive_ptr<c10d::Work>& work, bool& timed_out, double& waited) {
-    const auto t0 = Clock::now();
-    timed_out = false;
-    while (!work->isCompleted()) {
-      const auto spent = Clock::now() - t0;
-      if (spent >= timeout_) {
-        timed_out = true;
-        waited = timeout_.count();
-        return "it did not complete";
-      }
-      std::this_thread::sleep_for(spent < std::chrono::milliseconds(10)
-                                      ? std::chrono::microseconds(200)
-                                      : std::chrono::microseconds(5000));
-    }
-    waited = std::chrono::duration<double>(Clock::now() - t0).count();
-    try {
-      work->wait();
-    } catch (const std::exception& e) {
-      return brief(e);
-    }
-    return "";
-  }
-
-  void drain(size_t keep) {
-    while (in_flight_.size() > keep && !dead_) {
-      InFlight f = std::move(in_flight_.front());
-      in_flight_.pop_front();
-      bool timed_out = false;
-      double waited = 0.0;
-      const std::string err = wait(f.work, timed_out, waited);
-      if (!err.empty()) {
-        missing(f.ev, timed_out ? waited : 0.0, timed_out ? "" : err);
-        gone_.push_back(std::move(f));
-        return;
-      }
-      judge(f);
-    }
-  }
-
-  void missing(const Event& ev, double waited, const std::string& error) {
-    ReplicaReport r = report_of(ev, ReplicaReport::Moment::kMissing);
-    for (const int64_t k : ranks_) {
-      if (k != group_->getRank()) {
-        r.missing.push_back(k);
-        r.missing_detail.emplace_back();
-      }
-    }
-    if (!error.empty() && !r.missing_detail.empty()) {
-      r.missing_detail.front() = "the comparison failed: " + error.substr(0, 200);
-    }
-    r.waited_s = waited;
-    emit(r);
-    dead_ = true;  // later collectives would pair with the wrong ones
-    for (InFlight& f : in_flight_) gone_.push_back(std::move(f));
-    in_flight_.clear();
-  }
-
-  ReplicaReport report_of(const Event& ev, ReplicaReport::Moment m) const {
-    ReplicaReport r;
-    r.moment = m;
-    r.step = ev.step;
-    r.opt = ev.opt;
-    r.group = setup_.name;
-    r.ranks = ranks_;
-    return r;
-  }
-
-  void emit(const ReplicaReport& r) {
-    ctx_.events_seen.insert("rank_desync");
-    ctx_.checks.replicas.on_report(r);
-  }
-
-  // Every rank's row, in group rank order; empty when the gather does not complete in time.
-  std::vector<std::vector<int64_t>> gather(const std::vector<int64_t>& row) {
-    std::vector<at::Tensor> in{to_tensor(row)};
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (size_t k = 0; k < ranks_.size(); ++k) out[0].push_back(at::empty_like(in[0]));
-    c10d::AllgatherOptions o;
-    o.timeout = collective_timeout();
-    auto work = group_->allgather(out, in, o);
-    bool timed_out = false;
-    double waited = 0.0;
-    if (!wait(work, timed_out, waited).empty()) {
-      gone_.push_back({work, in[0], {}, Event{}});
-      dead_ = true;  // the sequences of collectives no longer pair up
-      return {};
-    }
-    std::vector<std::vector<int64_t>> rows;
-    for (const at::Tensor& t : out[0]) rows.push_back(to_vector(t));
-    return rows;
-  }
-
-  void judge(const InFlight& f) {
-    using O = ReplicaVerdict::Outcome;
-    const std::vector<int64_t> both = to_vector(f.payload);
-    const size_t n = both.size() / 2;
-    std::vector<int64_t> hi(both.begin(), both.begin() + static_cast<std::ptrdiff_t>(n)), lo;
-    for (size_t k = 0; k < n; ++k) lo.push_back(~both[n + k]);
-    std::vector<std::pair<std::string, std::string>> known(known_.begin(), known_.end());
-    const ReplicaVerdict v = judge_replica_payload(hi, lo, names_, buffer_names_, known);
-    if (v.outcome == O::kAgree) return;
-    if (v.outcome == O::kNotReplicas) {
-      give_up(
-          "the ranks hold different parameters (names, shapes or dtypes), so they are not "
-          "replicas of one model; switch the check off (check.rank_desync=false) if intended");
-      return;
-    }
-    const std::vector<std::vector<int64_t>> rows = gather(f.row);
-    auto column = [&](int64_t field) {
-      std::vector<int64_t> out;
-      for (const auto& r : rows) out.push_back(r.at(static_cast<size_t>(field)));
-      return out;
-    };
-    ReplicaReport r = report_of(f.ev, f.ev.first ? ReplicaReport::Moment::kBeforeFirstStep
-                                                 : ReplicaReport::Moment::kAfterStep);
-    if (!rows.empty() && v.forwards_differ) r.forwards = column(ReplicaRow::kForwards);
-    if (v.outcome == O::kOutOfStep) {
-      if (!rows.empty()) r.steps_at = column(ReplicaRow::kStep);
-      dead_ = true;  // the sequences no longer pair up
-    } else if (v.outcome == O::kSkipsDiffer) {
-      if (!rows.empty()) {
-        for (const int64_t s : column(ReplicaRow::kSkipped)) r.skipped.push_back(s != 0);
-      }
-      dead_ = true;  // every comparison after this one differs: said once
-    } else {
-      for (const ReplicaVerdict::Differ& d : v.differ) {
-        known_.insert({d.what, d.tensor});
-        ReplicaMismatch m{d.tensor, d.what, {}};
-        if (d.shown && !rows.empty()) m.labels = replica_labels(column(d.field));
-        r.mismatches.push_back(std::move(m));
-      }
-      r.grads_agree = v.grads_compared && !v.grads_differ;
-      if (v.forwards_differ) dead_ = true;  // out of step
-    }
-    emit(r);
+    engine_->drain(final ? 0 : 1);
   }
 
   ReplicaFeed& feed_;
   FeedContext& ctx_;
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ReplicaSetup setup_;
-  std::vector<int64_t> ranks_;
-  std::vector<int64_t> members_;
-  std::vector<std::string> names_;
-  std::vector<std::string> buffer_names_;
   std::vector<at::Tensor> buffers_;
-  int64_t digest_ = 0;
-  std::chrono::duration<double> timeout_{600.0};
+  std::unique_ptr<ReplicaEngine> engine_;
   std::map<int64_t, int64_t> events_;  // optimizer -> step events so far (steps and skips)
   std::map<int64_t, int64_t> steps_;   // optimizer -> steps so far
   std::deque<Event> fifo_;
-  std::deque<InFlight> in_flight_;
-  std::vector<InFlight> gone_;  // collectives given up on: kept alive while they may run
-  std::set<std::pair<std::string, std::string>> known_;  // (what, tensor) already reported
-  bool dead_ = false;
 };
 
 }  // namespace
 }  // namespace host
-
 void compare_replicas(Sanitizer& san, c10::intrusive_ptr<c10d::ProcessGroup> group,
                       ReplicaSetup setup) {
   TORCH_CHECK_VALUE(group, "trainsan::compare_replicas: the process group is null");

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 from . import _compile, _native, _patches
@@ -208,9 +209,22 @@ def _replicas(s: Setup) -> Optional[Gatherer]:
     ctx.replicas = None
     if not (enabled("rank_desync", s.checks) and replicas_active()):
         return None
-    ctx.replicas = ReplicaComparison(s.handle, ctx.model, s.names, s.params, ctx.optimizers,
-                                     s.options, _weak_method(s.methods["apply"]),
-                                     lambda: _forward_clock[0])
+    engines = _native.drivers()
+    if engines is None:
+        # Note [One orchestration] (bindings/csrc/hot.cpp): the schedule of the comparison's
+        # collectives is C++ only (trainsan::ReplicaEngine).
+        ctx.note("check_off", "trainsan: rank_desync is not checked: its comparison runs in the "
+                 f"_trainsan_hot module ({_native.drivers_problem()})")
+        return None
+    try:
+        ctx.replicas = ReplicaComparison(s.handle, ctx.model, s.names, s.params, ctx.optimizers,
+                                         s.options, _weak_method(s.methods["apply"]),
+                                         lambda: _forward_clock[0], engines)
+    except Exception as exc:  # noqa: BLE001 - its machinery (side groups, engines): not the job's
+        why = f"its comparison could not be set up ({type(exc).__name__}: {exc})"
+        warnings.warn(f"trainsan: rank_desync is not checked: {why}", stacklevel=2)
+        ctx.note("check_off", f"trainsan: rank_desync is not checked: {why}")
+        return None
     return Replicas(ctx.replicas)
 
 

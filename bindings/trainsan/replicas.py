@@ -26,12 +26,12 @@ event count, step, skipped, training forwards) and per parameter (present, finge
 weight, its gradient and, on sampled steps, its optimizer state — and one all-reduce(MAX) over
 ``[row, ~row]`` gives every member the maximum and the minimum of every field: a few bytes per
 tensor, whatever the group's size. It runs asynchronously and is read at the next event (so the
-training never waits for it); only where some field differs does a second collective (an
-all-gather of the rows) tell which ranks hold which value. What the payload says is judged in C++
+training never waits for it); only where some field differs does a second exchange (the rows,
+through the store) tell which ranks hold which value. What the payload says is judged in C++
 (trainsan::judge_replica_payload and replica_labels, Note [Replica payload] in
-host/checks/replicas.cpp). The schedule of launches, reads and
-gathers depends only on the sequence of events, never on timing, so every member issues the same
-collectives in the same order.
+host/checks/replicas.cpp). The schedule of launches, reads and exchanges depends only on the
+sequence of events, never on timing, so every member issues the same collectives in the same
+order.
 
 A rank that does not arrive (it skipped optimizer.step(), left the loop, hangs) never hangs the
 job: a wait gives up after ``desync_timeout`` seconds — at once where the rank has closed its
@@ -42,20 +42,21 @@ found at different steps (their sequences no longer pair up).
 The comparison before the first step (the weights the replicas start from) is the one blocking
 collective: at the first optimizer step, after the backward, before the update.
 
-The row (trainsan::replica_row) and the verdict (judge_replica_payload, replica_labels) are the
-C++ ones that trainsan::compare_replicas (host/replicas_pg.cpp, Note [Replica comparison over
-c10d]) uses. The schedule of collectives around them — launch, wait, read at the next event,
-report missing ranks — is still written twice, here and in PgReplicaDriver, because the C++
-driver does less than this one and a Python call into it would lose findings: it compares one set
-(every parameter over the caller's group; no DTensor placements, no replica sets), no optimizer
-state, starts at compare_replicas() rather than at the first step, learns nothing of ranks that
-closed early (every other rank is reported missing: this side reads the store's closed/late keys)
-and gathers rows with an all-gather on the group (this side through the store, which a rank whose
-sequence shifted cannot mismatch). The plan: a public per-set engine in C++ (members, digest,
-group, timeout; launch/drain/judge; the missing-rank and row-exchange steps as callables, the
-c10d ones by default), which PgReplicaDriver and this module both drive — from here through
-_trainsan_hot, which can take the side group as a c10d::ProcessGroup (torch's pybind11 caster)
-and the store steps as Python callables (Note [One orchestration], bindings/csrc/hot.cpp).
+The schedule of collectives around the row — launch, wait with desync_timeout, read at the next
+event, the second exchange where something differs, the missing-rank report, stopping after
+missing or misaligned ranks — is one C++ implementation, trainsan::ReplicaEngine (Note [Replica
+comparison over c10d], host/replicas_pg.cpp), which trainsan::compare_replicas drives for a
+LibTorch program too. This module drives one engine per replica set through _trainsan_hot (Note
+[One orchestration], bindings/csrc/hot.cpp), giving it the set's side group as the
+c10d::ProcessGroup it is (torch's pybind11 caster) and the steps that are this side's own as
+Python callables (_StoreSteps): which ranks are missing (the store's closed/late keys, so a rank
+that closed early is named, and the wait for it ends at once), which rank holds which value (rows
+through the store, which a rank whose sequence shifted cannot mismatch) and the warning when a set
+stops. What stays here: the replica sets (DTensor placements, DDP, plain parameters, buffers),
+the step events and their fingerprints (paired with the passes that landed), the optimizer
+state's fingerprints on sampled steps, the blocking first comparison at the first optimizer step,
+and the closed keys at close. Without _trainsan_hot (Note [One orchestration]) rank_desync is
+off, with a note: there is no second implementation here.
 """
 
 from __future__ import annotations
@@ -65,23 +66,18 @@ import gc
 import hashlib
 import time
 import warnings
+import weakref
 import zlib
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import _native
 from ._facts import _is_dtensor, _local, run_guarded
 from ._tables import OPTIONS
 from .stats import INT_FIELDS
 
 _HASH_COL = INT_FIELDS.index("hash")
 _MASK = (1 << 64) - 1
-# The row of a comparison is trainsan::ReplicaRow (replica_facts.h; Note [Replica payload]), built
-# by trainsan::replica_row (_row below); these are the header fields the reports quote per rank.
-_STEP, _SKIPPED, _FORWARDS = 3, 4, 5
-# ReplicaVerdict::Outcome
-_AGREE, _NOT_REPLICAS, _OUT_OF_STEP, _SKIPS_DIFFER, _TENSORS_DIFFER = range(5)
 _MISSING_GRACE_S = 5.0
 _instances = [0]  # ReplicaComparison objects made in this process (store key prefixes)
 
@@ -150,7 +146,7 @@ def _dtensor_replicas(p: Any) -> tuple[Optional[tuple], str]:
 
 
 class _Set:
-    """One replica set: its ranks, side group, members and comparisons in flight."""
+    """One replica set: its ranks, side group, members and engine (trainsan::ReplicaEngine)."""
 
     def __init__(self, ranks: tuple, context: str, grads: bool):
         self.ranks = ranks
@@ -158,12 +154,84 @@ class _Set:
         self.grads = grads  # gradients are reduced alike across the set (DDP)
         self.members: list[int] = []  # parameter indices
         self.buffers: list = []  # (name, tensor)
+        self.digest = 0
         self.group = None
         self.prefix = ""
-        self.launched = 0
-        self.in_flight: list = []  # (work, payload, row, event, sequence number), oldest first
-        self.known: set = set()  # (what, tensor) already reported
-        self.dead = False
+        self.engine = None  # _trainsan_hot.ReplicaEngine
+
+
+class _StoreSteps:
+    """The steps of a set's comparison that read the store (ReplicaSteps, replica_engine.h), as
+    the engine calls them. Holds no reference to the engine or the comparison (which hold it)."""
+
+    def __init__(self, prefix: str, ranks: tuple, rank: int, timeout: float, context: str):
+        self.prefix, self.ranks, self.rank = prefix, ranks, rank
+        self.timeout, self.context = timeout, context
+
+    def closed_before(self, seq: int, store) -> list:
+        """Members that closed their sanitizer after fewer than seq+1 comparisons: (rank, n)."""
+        out = []
+        for r in self.ranks:
+            if r == self.rank:
+                continue
+            key = self.prefix + f"closed/{r}"
+            if store.check([key]):
+                n = int(store.get(key))
+                if n <= seq:
+                    out.append((r, n))
+        return out
+
+    def gone(self, seq: int) -> bool:
+        """While waiting: a member that closed with fewer comparisons never comes."""
+        try:
+            return bool(self.closed_before(seq, _store()))
+        except Exception:  # noqa: BLE001 - a torn-down store: the wait's timeout decides
+            return False
+
+    def missing(self, seq: int, timed_out: bool) -> tuple:
+        """The members that did not take part in comparison `seq`, a detail each: those that
+        closed their sanitizer before it, and after a timeout those that did not time out too."""
+        try:
+            store = _store()
+            closed = dict(self.closed_before(seq, store))
+            if timed_out and not closed:
+                store.set(self.prefix + f"late/{seq}/{self.rank}", "1")
+                time.sleep(min(_MISSING_GRACE_S, self.timeout / 4))
+                closed = dict(self.closed_before(seq, store))
+                late = {r for r in self.ranks if store.check([self.prefix + f"late/{seq}/{r}"])}
+                missing = [r for r in self.ranks
+                           if r != self.rank and (r not in late or r in closed)]
+            else:
+                missing = sorted(closed) or [r for r in self.ranks if r != self.rank]
+            detail = [f"rank {r} closed its sanitizer after {closed[r]} comparison(s), this rank "
+                      f"made {seq + 1}" if r in closed else "" for r in missing]
+        except Exception as exc:  # noqa: BLE001
+            missing = [r for r in self.ranks if r != self.rank]
+            detail = [f"(the store could not say which: {exc})"]
+        return missing, detail
+
+    def rows(self, seq: int, mine: list, fields: list) -> Optional[list]:
+        """`fields` of every member's row of comparison `seq`, in the order of the ranks, through
+        the store (a mismatch is rare; the store pairs nothing by order, so a rank whose sequence
+        has shifted cannot be mismatched against another collective). None when a member does
+        not answer within desync_timeout."""
+        try:
+            store = _store()
+            key = self.prefix + f"rows/{seq}/"
+            store.set(key + str(self.rank), ",".join(str(mine[f]) for f in fields))
+            keys = [key + str(r) for r in self.ranks]
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            return [[int(v) for v in store.get(k).decode().split(",")] for k in keys]
+        except Exception:  # noqa: BLE001 - a member that is gone: report without the split
+            return None
+
+    def warn(self, why: str) -> None:
+        warnings.warn(f"trainsan: rank_desync stops comparing {self.context}: {why}",
+                      stacklevel=2)
+
+
+def _store():
+    return _dist().distributed_c10d._get_default_store()
 
 
 class _Event:
@@ -187,11 +255,25 @@ def fingerprints(tensors: list) -> list[int]:
     return ints[:, _HASH_COL].cpu().tolist()
 
 
+def _emitter(comparison: "ReplicaComparison") -> Callable:
+    """The engine's way to the comparison's reports, without keeping it alive (the engine, which
+    the comparison holds, holds this)."""
+    ref = weakref.ref(comparison)
+
+    def emit(reports: list) -> None:
+        c = ref()
+        if c is not None:
+            c._emit(reports)
+
+    return emit
+
+
 class ReplicaComparison:
     """The rank_desync comparison of one sanitizer (Note [Replica comparison])."""
 
     def __init__(self, handle, model: torch.nn.Module, names: list, params: list,
-                 optimizers: list, options: dict, apply: Callable, forwards: Callable[[], int]):
+                 optimizers: list, options: dict, apply: Callable, forwards: Callable[[], int],
+                 engines: Any):
         dist = _dist()
         self._handle = handle
         self._apply = apply
@@ -209,8 +291,6 @@ class ReplicaComparison:
         self._steps: dict[int, int] = {}  # optimizer -> steps so far
         self._fifo: list[_Event] = []
         self._first_done = not optimizers  # manual mode: no comparison before the first step
-        self._max_opts = dist.AllreduceOptions()
-        self._max_opts.reduceOp = dist.ReduceOp.MAX
         self._closed = False
         self._collect: Optional[list] = None  # reports held back during close()
         _instances[0] += 1
@@ -248,6 +328,8 @@ class ReplicaComparison:
                 bset.buffers = [(n, b) for n, b in model.named_buffers() if not _is_dtensor(b)]
         self._sets = [sets[k] for k in sorted(sets, key=lambda k: (k[0], k[1]))]
         self._sets = [s for s in self._sets if s.members or s.buffers]
+        hid = int(handle.hot_id()) if self._sets else 0
+        emit = _emitter(self)
         for s in self._sets:
             layout = [(names[i], tuple(params[i].shape), str(params[i].dtype),
                        str(getattr(params[i], "placements", ""))) for i in s.members]
@@ -255,6 +337,12 @@ class ReplicaComparison:
             s.digest = _digest([s.context, s.ranks, layout])
             s.group = _side_group(s.ranks, self._timeout)
             s.prefix = f"trainsan/desync/{_instances[0]}/{'-'.join(map(str, s.ranks))}/"
+            steps = _StoreSteps(s.prefix, s.ranks, self._rank, self._timeout, s.context)
+            s.engine = engines.ReplicaEngine(
+                hid, s.group, s.context, list(s.ranks), self._rank, s.members,
+                [names[i] for i in s.members], [n for n, _ in s.buffers], s.digest,
+                self._timeout, "checks={'rank_desync': False}", emit, gone=steps.gone,
+                missing=steps.missing, rows=steps.rows, warn=steps.warn)
         if self._sets:
             handle.compare_replicas()
 
@@ -262,15 +350,24 @@ class ReplicaComparison:
     def sets(self) -> list:
         return self._sets
 
+    def _live(self) -> list:
+        return [s for s in self._sets if not s.engine.stopped]
+
     def _guarded(self, fn: Callable, *args: Any) -> None:
         """Run fn; a failure of the comparison's own machinery (not a finding) stops it with a
         warning instead of reaching the training loop."""
 
         def stop() -> None:
             for s in self._sets:
-                s.dead = True
+                s.engine.stop()
 
         run_guarded(fn, args, "rank_desync (its comparison failed)", stop)
+
+    def _emit(self, reports: list) -> None:
+        if self._collect is not None:
+            self._collect.extend(reports)
+        else:
+            self._apply(reports)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -287,11 +384,9 @@ class ReplicaComparison:
         ev = _Event(-1, 0, 0, False, self._forwards(), False, None, None, None, first=True)
         for i, h in enumerate(hashes):
             ev.fp[i] = (h, False, 0)
-        for s in self._sets:
-            if s.dead:
-                continue
+        for s in self._live():
             self._launch(s, ev)
-            self._drain(s, keep=0)
+            s.engine.drain(0)
 
     def on_step(self, opt: int, skipped: bool) -> None:
         """Optimizer `opt` stepped (or its GradScaler skipped the step)."""
@@ -350,12 +445,10 @@ class ReplicaComparison:
                     ev.waiting = False
         while self._fifo and (not self._fifo[0].waiting or final):
             ev = self._fifo.pop(0)
-            for s in self._sets:
-                if not s.dead:
-                    self._launch(s, ev)
-        for s in self._sets:
-            if not s.dead:
-                self._drain(s, keep=0 if final else 1)
+            for s in self._live():
+                self._launch(s, ev)
+        for s in self._live():
+            s.engine.drain(0 if final else 1)
 
     def close(self) -> list:
         """Compare what is still pending and tell the others this rank is done; returns the
@@ -368,15 +461,15 @@ class ReplicaComparison:
         finally:
             self._closed = True
             try:
-                store = _dist().distributed_c10d._get_default_store()
+                store = _store()
                 for s in self._sets:
-                    store.set(s.prefix + f"closed/{self._rank}", str(s.launched))
+                    store.set(s.prefix + f"closed/{self._rank}", str(s.engine.launched))
             except Exception:  # noqa: BLE001 - a torn-down process group: nothing to tell
                 pass
         found, self._collect = self._collect, None
         return found
 
-    # -- the collectives --------------------------------------------------------------------
+    # -- what this rank knows of an event ---------------------------------------------------
 
     def _state_hashes(self, opt: int) -> dict:
         """parameter index -> one fingerprint of its optimizer state (every tensor in it)."""
@@ -399,186 +492,17 @@ class ReplicaComparison:
             out[i] = _fold(out.get(i, 0xCBF29CE484222325), k, h)
         return out
 
-    def _row(self, s: _Set, ev: _Event) -> torch.Tensor:
-        """This rank's row of set `s` at event `ev`: trainsan::replica_row (Note [Replica
-        payload]), the row the C++ comparison over c10d builds too."""
+    def _launch(self, s: _Set, ev: _Event) -> None:
+        """Set `s`'s comparison of event `ev`: this rank's facts (ReplicaRowFacts), from which
+        the engine builds the row (trainsan::replica_row, Note [Replica payload])."""
         fp = ev.fp
         state = ev.state or {}
-        buffers = ev.buffers.get(id(s), []) if ev.buffers else []
-        return torch.ops.trainsan.replica_row(
-            [s.digest, ev.opt, ev.count, ev.step, int(ev.skipped), ev.forwards],
-            list(fp), [v[0] for v in fp.values()], [v[2] for v in fp.values()],
-            [int(v[1]) for v in fp.values()], sorted(ev.grad_ok or ()),
-            list(state), [_signed(h) for h in state.values()], buffers, s.members,
-            len(s.buffers))
-
-    def _launch(self, s: _Set, ev: _Event) -> None:
-        row = self._row(s, ev)
-        payload = torch.cat([row, torch.bitwise_not(row)])
-        try:
-            # The process group's own allreduce: dist.all_reduce's Python wrapper costs more
-            # than the collective's launch.
-            work = s.group.allreduce([payload], self._max_opts)
-        except Exception as exc:  # noqa: BLE001 - the side group is gone (process group torn down)
-            self._give_up(s, f"its collective failed: {exc}")
-            return
-        s.launched += 1
-        s.in_flight.append((work, payload, row, ev, s.launched - 1))
-
-    def _wait(self, s: _Set, work, seq: int, ev: Optional[_Event]) -> bool:
-        """Wait for `work` up to desync_timeout; True when it completed. Otherwise the missing
-        ranks are reported and the set is not compared any more."""
-        t0 = time.monotonic()
-        deadline = t0 + self._timeout
-        next_look = t0 + 0.05
-        store = None
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= deadline:
-                self._missing(s, seq, ev, now - t0, timed_out=True)
-                return False
-            if now >= next_look:  # a member that closed with fewer comparisons never comes
-                next_look = now + 0.5
-                try:
-                    store = store or _dist().distributed_c10d._get_default_store()
-                    gone = self._closed_before(s, seq, store)
-                except Exception:  # noqa: BLE001
-                    gone = []
-                if gone:
-                    self._missing(s, seq, ev, now - t0, timed_out=False)
-                    return False
-            time.sleep(0.0002 if now - t0 < 0.01 else 0.005)
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - a peer left: connection closed
-            self._missing(s, seq, ev, time.monotonic() - t0, timed_out=False, error=str(exc))
-            return False
-        return True
-
-    def _closed_before(self, s: _Set, seq: int, store) -> list:
-        """Members that closed their sanitizer after fewer than seq+1 comparisons: (rank, n)."""
-        out = []
-        for r in s.ranks:
-            if r == self._rank:
-                continue
-            key = s.prefix + f"closed/{r}"
-            if store.check([key]):
-                n = int(store.get(key))
-                if n <= seq:
-                    out.append((r, n))
-        return out
-
-    def _missing(self, s: _Set, seq: int, ev: Optional[_Event], waited: float, timed_out: bool,
-                 error: str = "") -> None:
-        """Report the members that did not take part in comparison `seq`: those that closed
-        their sanitizer before it, and after a timeout those that did not time out too."""
-        missing, detail = [], []
-        try:
-            store = _dist().distributed_c10d._get_default_store()
-            closed = dict(self._closed_before(s, seq, store))
-            if timed_out and not closed:
-                store.set(s.prefix + f"late/{seq}/{self._rank}", "1")
-                time.sleep(min(_MISSING_GRACE_S, self._timeout / 4))
-                closed = dict(self._closed_before(s, seq, store))
-                late = {r for r in s.ranks if store.check([s.prefix + f"late/{seq}/{r}"])}
-                missing = [r for r in s.ranks if r != self._rank and (r not in late or r in closed)]
-            else:
-                missing = sorted(closed) or [r for r in s.ranks if r != self._rank]
-            for r in missing:
-                detail.append(
-                    f"rank {r} closed its sanitizer after {closed[r]} comparison(s), this rank "
-                    f"made {seq + 1}" if r in closed else "")
-        except Exception as exc:  # noqa: BLE001
-            missing = [r for r in s.ranks if r != self._rank]
-            detail = [f"(the store could not say which: {exc})"]
-        if error and not any(detail):
-            detail.append(f"the comparison failed: {error[:200]}")
-        step = ev.step if ev is not None else 0
-        opt = ev.opt if ev is not None else -1
-        waited = self._timeout if timed_out else 0.0
-        self._report(2, step, opt, s, [], [], [], [], [], [], False, missing, waited, detail)
-        s.dead = True
-
-    def _give_up(self, s: _Set, why: str) -> None:
-        s.dead = True
-        warnings.warn(f"trainsan: rank_desync stops comparing {s.context}: {why}", stacklevel=4)
-
-    def _drain(self, s: _Set, keep: int) -> None:
-        while len(s.in_flight) > keep and not s.dead:
-            work, payload, row, ev, seq = s.in_flight.pop(0)
-            if self._wait(s, work, seq, ev):
-                self._judge(s, payload, row, ev, seq)
-
-    def _judge(self, s: _Set, payload: torch.Tensor, row: torch.Tensor, ev: _Event,
-               seq: int) -> None:
-        # The verdict is C++ (trainsan::judge_replica_payload, Note [Replica payload] in
-        # host/checks/replicas.cpp); gathering the rows it asks for and reporting stay here.
-        known = sorted(s.known)
-        (outcome, fields, tensors, whats, shown, fetch, grads_compared, grads_differ,
-         forwards_differ) = torch.ops.trainsan.judge_replica_payload(
-            payload, [self._names[i] for i in s.members], [n for n, _ in s.buffers],
-            [w for w, _ in known], [t for _, t in known])
-        if outcome == _AGREE:
-            return
-        if outcome == _NOT_REPLICAS:
-            self._give_up(s, "the ranks hold different parameters (names, shapes or placements) "
-                          "in it, so they are not replicas of one model (pipeline stages?); "
-                          "switch the check off with checks={'rank_desync': False} if intended")
-            return
-        got = self._rows(s, seq, row.tolist(), fetch)
-        forwards = got[_FORWARDS] if got and forwards_differ else []
-        if outcome == _OUT_OF_STEP:
-            self._report(1, ev.step, ev.opt, s, [], [], [], [], got[_STEP] if got else [],
-                         forwards, False, [], 0.0, [])
-            s.dead = True  # the sequences no longer pair up
-            return
-        if outcome == _SKIPS_DIFFER:
-            self._report(1, ev.step, ev.opt, s, [], [], [], got[_SKIPPED] if got else [], [], [],
-                         False, [], 0.0, [])
-            s.dead = True  # every comparison after this one differs: said once
-            return
-        s.known.update(zip(whats, tensors))
-        labels = []  # per tensor, the class of each rank's value (-1: not shown)
-        for field, show in zip(fields, shown):
-            labels += (torch.ops.trainsan.replica_labels(got[field]) if got and show
-                       else [-1] * len(s.ranks))
-        if forwards_differ:
-            s.dead = True  # out of step: every later comparison pairs different steps
-        self._report(0 if ev.first else 1, ev.step, ev.opt, s, tensors, whats, labels, [], [],
-                     forwards, grads_compared and not grads_differ, [], 0.0, [])
-
-    def _rows(self, s: _Set, seq: int, mine: list, fields: list) -> Optional[dict]:
-        """`fields` of every member's row of comparison `seq`, in the order of s.ranks, through
-        the store (a mismatch is rare; the store pairs nothing by order, so a rank whose
-        sequence has shifted cannot be mismatched against another collective). None when a
-        member does not answer within desync_timeout."""
-        try:
-            store = _dist().distributed_c10d._get_default_store()
-            key = s.prefix + f"rows/{seq}/"
-            store.set(key + str(self._rank), ",".join(str(mine[f]) for f in fields))
-            keys = [key + str(r) for r in s.ranks]
-            store.wait(keys, datetime.timedelta(seconds=self._timeout))
-            rows = [[int(v) for v in store.get(k).decode().split(",")] for k in keys]
-        except Exception:  # noqa: BLE001 - a member that is gone: report without the split
-            return None
-        return {f: [r[c] for r in rows] for c, f in enumerate(fields)}
-
-    def _report(self, moment, step, opt, s, tensors, whats, labels, skipped, steps_at, forwards,
-                grads_agree, missing, waited, detail) -> None:
-        # labels: len(ranks) classes per tensor, flattened (-1: not known for that tensor).
-        n = len(s.ranks)
-        mismatches = [{"tensor": t, "what": w, "labels": labels[k * n:(k + 1) * n]
-                       if labels and labels[k * n] >= 0 else []}
-                      for k, (t, w) in enumerate(zip(tensors, whats))]
-        reports = self._handle.replica_report(_native.facts(
-            "ReplicaReport", moment=moment, step=step, opt=opt, group=s.context,
-            ranks=list(s.ranks), mismatches=mismatches, skipped=[bool(v) for v in skipped],
-            steps_at=steps_at, forwards=forwards, grads_agree=grads_agree, missing=missing,
-            waited_s=waited, missing_detail=detail))
-        if self._collect is not None:
-            self._collect.extend(reports)
-        else:
-            self._apply(reports)
+        s.engine.launch(
+            ev.opt, ev.count, ev.step, ev.skipped, ev.forwards, list(fp),
+            [v[0] for v in fp.values()], [v[2] for v in fp.values()],
+            [v[1] for v in fp.values()], sorted(ev.grad_ok or ()),
+            [(i, _signed(h)) for i, h in state.items()],
+            ev.buffers.get(id(s), []) if ev.buffers else [], ev.first)
 
 
 def _side_group(ranks: tuple, timeout_s: float):

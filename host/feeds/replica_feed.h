@@ -16,7 +16,7 @@ struct SanitizerImpl;
 
 class ReplicaFeed final : public Feed {
  public:
-  // host/replicas_pg.cpp's PgReplicaDriver.
+  // host/replicas_pg.cpp's PgReplicaDriver (a trainsan::ReplicaEngine's driver).
   struct Driver {
     virtual ~Driver() = default;
     virtual void on_event(int64_t opt, bool skipped) = 0;  // after the event's pass

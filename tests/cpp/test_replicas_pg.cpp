@@ -3,7 +3,8 @@
 // with a c10d::ProcessGroup over one FileStore whose backend is the test's own StoreBackend
 // (store_backend.h: the collectives compare_replicas uses, through the store, no gloo), a Linear
 // model seeded alike, trainsan::attach and four SGD steps. Each child writes its findings to a
-// file and exits; the parent judges them.
+// file and exits; the parent judges them. Also trainsan::ReplicaEngine driven directly, with
+// injected steps.
 // Nothing touches torch in the parent process (its thread pools would not survive fork()).
 #include <gtest/gtest.h>
 #include <sys/types.h>
@@ -26,6 +27,7 @@
 
 #include "store_backend.h"
 #include "trainsan/attach.h"
+#include "trainsan/replica_engine.h"
 #include "trainsan/replicas.h"
 
 namespace {
@@ -217,6 +219,123 @@ TEST(ReplicasPg, RankThatHangsIsMissingAfterTheTimeout) {
   // Rank 0 waited desync_timeout once, then trained on without comparing.
   EXPECT_GE(seconds(o.out[0]), kTimeoutS) << o.out[0];
   EXPECT_LT(seconds(o.out[0]), kTimeoutS + 5.0) << o.out[0];
+}
+
+// trainsan::ReplicaEngine driven directly, with its steps injected (the way the Python package
+// drives it: Note [Replica comparison over c10d]): rank 1's fingerprint differs at the first
+// comparison, where the rows step answers instead of an all-gather; then rank 1 launches no more,
+// and rank 0's gone step says so at once, its missing step naming the rank. "ok" or what failed
+// goes to `out`.
+void engine_rank(int rank, const std::string& store_path, const std::string& out) {
+  at::set_num_threads(1);
+  auto pg =
+      trainsan_test::store_group(c10::make_intrusive<c10d::FileStore>(store_path, 2), rank, 2);
+  trainsan::ReplicaSetSpec spec;
+  spec.context = "the test's set";
+  spec.ranks = {10, 11};
+  spec.rank = 10 + rank;
+  spec.members = {0};
+  spec.member_names = {"w"};
+  spec.digest = 7;
+  spec.timeout_s = kTimeoutS;
+  spec.collective_timeout = std::chrono::milliseconds(10000);
+  std::vector<trainsan::ReplicaReport> reports;
+  int rows_asked = 0;
+  std::vector<int64_t> missing_asked;
+  trainsan::ReplicaSteps steps;
+  steps.report = [&](const trainsan::ReplicaReport& r) { reports.push_back(r); };
+  steps.rows = [&](int64_t, const std::vector<int64_t>& row, const std::vector<int64_t>& fields) {
+    ++rows_asked;
+    std::vector<std::vector<int64_t>> rows(2);
+    for (const int64_t f : fields) {
+      rows[0].push_back(row.at(static_cast<size_t>(f)));
+      rows[1].push_back(row.at(static_cast<size_t>(f)) + 1);  // member 11 holds another value
+    }
+    return std::optional<std::vector<std::vector<int64_t>>>(rows);
+  };
+  steps.gone = [](int64_t seq) { return seq >= 1; };
+  steps.missing = [&](int64_t seq, bool timed_out) {
+    missing_asked.push_back(timed_out ? -seq : seq);
+    return trainsan::ReplicaMissing{{11}, {"rank 11 said so"}};
+  };
+  trainsan::ReplicaEngine engine(pg, spec, steps);
+  auto facts = [&](int64_t step, int64_t fingerprint) {
+    trainsan::ReplicaRowFacts f;
+    f.opt = 0;
+    f.count = step;
+    f.step = step;
+    f.fingerprints.step = step;
+    f.fingerprints.opt = 0;
+    f.fingerprints.index = {0};
+    f.fingerprints.param = {fingerprint};
+    f.fingerprints.grad = {0};
+    f.fingerprints.has_grad = {false};
+    return f;
+  };
+  std::ostringstream err;
+  engine.launch(facts(0, rank == 1 ? 2 : 1));
+  engine.drain(0);
+  if (rank == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // alive, never at step 1
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
+    engine.launch(facts(1, 1));
+    engine.drain(0);
+    const double spent =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (spent >= kTimeoutS) err << "waited " << spent << " s; ";
+    if (!engine.stopped()) err << "not stopped; ";
+    if (missing_asked != std::vector<int64_t>{1}) err << "missing step not asked for seq 1; ";
+  }
+  if (rows_asked != 1) err << "rows step asked " << rows_asked << " times; ";
+  const size_t want = rank == 0 ? 2 : 1;
+  if (reports.size() != want) err << reports.size() << " reports; ";
+  if (!reports.empty()) {
+    const trainsan::ReplicaReport& r = reports[0];
+    if (r.ranks != std::vector<int64_t>{10, 11} || r.mismatches.size() != 1 ||
+        r.mismatches[0].tensor != "w" || r.mismatches[0].labels != std::vector<int64_t>{0, 1}) {
+      err << "first report is not w with labels 0, 1; ";
+    }
+  }
+  if (rank == 0 && reports.size() == 2) {
+    const trainsan::ReplicaReport& r = reports[1];
+    if (r.moment != trainsan::ReplicaReport::Moment::kMissing || r.step != 1 ||
+        r.missing != std::vector<int64_t>{11} || r.missing_detail.empty() ||
+        r.missing_detail[0] != "rank 11 said so" || r.waited_s != 0.0) {
+      err << "second report is not rank 11 missing at step 1; ";
+    }
+  }
+  std::ofstream(out) << (err.str().empty() ? "ok" : err.str());
+}
+
+TEST(ReplicaEngine, InjectedStepsReplaceTheC10dOnes) {
+  const std::string store = temp_path("store");
+  std::remove(store.c_str());
+  std::vector<pid_t> pids;
+  std::vector<std::string> outs, errs;
+  for (int r = 0; r < 2; ++r) {
+    outs.push_back(temp_path("out"));
+    errs.push_back(temp_path("err"));
+    pids.push_back(in_child([&, r] { engine_rank(r, store, outs[static_cast<size_t>(r)]); },
+                            errs[static_cast<size_t>(r)]));
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    int st = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (waitpid(pids[r], &st, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &st, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << ": " << slurp(errs[r]);
+    EXPECT_EQ(slurp(outs[r]), "ok") << "rank " << r << ": " << slurp(errs[r]);
+    std::remove(outs[r].c_str());
+    std::remove(errs[r].c_str());
+  }
+  std::remove(store.c_str());
 }
 
 TEST(ReplicasPg, ClearErrors) {

@@ -152,3 +152,38 @@ def test_without_the_module_bad_custom_grad_is_off_with_a_note(monkeypatch):
                    for n in notes), notes
     finally:
         san.close()
+
+
+def test_without_the_module_rank_desync_is_off_with_a_note(monkeypatch):
+    # The replicas' schedule of collectives is trainsan::ReplicaEngine (Note [Replica
+    # comparison]): a distributed run without the module compares nothing and says so.
+    from trainsan import _parts
+
+    monkeypatch.setattr(_native, "_ext", [(None, "not built (test)")])
+    monkeypatch.setattr(_native, "_hot", [None])
+    monkeypatch.setattr(_parts, "replicas_active", lambda: True)
+    m = nn.Linear(3, 1)
+    san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        notes = san.coverage().get("notes", [])
+        assert any("rank_desync is not checked" in n and "not built (test)" in n
+                   for n in notes), notes
+    finally:
+        san.close()
+
+
+def test_a_replica_comparison_that_cannot_be_set_up_is_off_with_a_note(monkeypatch):
+    # Its machinery failing (here: no process group behind replicas_active) never fails attach.
+    from trainsan import _parts
+
+    if _native.drivers() is None:
+        pytest.skip(f"no _trainsan_hot ({_native.drivers_problem()})")
+    monkeypatch.setattr(_parts, "replicas_active", lambda: True)
+    m = nn.Linear(3, 1)
+    with pytest.warns(UserWarning, match="rank_desync is not checked"):
+        san = trainsan.attach(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="record")
+    try:
+        notes = san.coverage().get("notes", [])
+        assert any("its comparison could not be set up" in n for n in notes), notes
+    finally:
+        san.close()

@@ -1,6 +1,7 @@
-// Facts of the replica comparison (rank_desync), gathered by the caller — the Python package's
-// collectives over torch.distributed (bindings/trainsan/replicas.py), or a LibTorch program's own —
-// and judged and worded by the sanitizer (host/checks/replicas.cpp). Torch-free.
+// Facts of the replica comparison (rank_desync), gathered by the collectives of
+// trainsan::ReplicaEngine (replica_engine.h; driven by the Python package's
+// bindings/trainsan/replicas.py or by trainsan::compare_replicas) and judged and worded by the
+// sanitizer (host/checks/replicas.cpp). Torch-free.
 #pragma once
 
 #include <cstdint>

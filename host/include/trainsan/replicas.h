@@ -1,7 +1,7 @@
 // rank_desync for a LibTorch program: the replica comparison over a c10d process group the
-// caller gives (Note [Replica comparison over c10d] in host/replicas_pg.cpp). The Python package
-// runs its own over torch.distributed (bindings/trainsan/replicas.py); both build the same rows
-// (trainsan::replica_row) and take the same verdict (trainsan::judge_replica_payload).
+// caller gives (Note [Replica comparison over c10d] in host/replicas_pg.cpp): one
+// trainsan::ReplicaEngine (trainsan/replica_engine.h), the engine the Python package drives per
+// replica set over torch.distributed (bindings/trainsan/replicas.py).
 //
 //   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
 //   auto san = trainsan::attach(model, optimizer, opts);
