@@ -21,6 +21,9 @@ namespace {
 // Consecutive steps after a cleared micro-batch that are skipped_step (Note [Micro-batches
 // cleared]).
 constexpr int64_t kMicroSteps = 2;
+// Optimizer steps (and scaler skips) seen by every GradTracker of the process: a step of another
+// sanitizer's optimizer (a GAN's other model) between a gradient and its clear.
+std::atomic<uint64_t> any_steps{0};
 
 // Post-hook on a parameter's AccumulateGrad node (the pattern of DDP's reducer): runs after the
 // gradient has been accumulated into .grad, on the autograd engine's thread. Bookkeeping only.
@@ -131,20 +134,27 @@ int64_t GradTracker::training_forward(std::vector<std::string>* skipped) {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Gradient accumulation with zero_grad() inside the micro-batch loop: each micro-batch's backward
 // is cleared before the next one, so the step uses only the last micro-batch's gradient. With two
-// micro-batches a step there is one unused clear per step, which the "cleared twice without a
-// step" rule above never sees. What tells such a clear from the legitimate ones: the cleared
-// gradient was produced with no optimizer step anywhere since (a GAN's generator gradients from
-// the discriminator's backward are cleared after the discriminator's step), the parameter did not
-// change since (SAM's first step moves the weights with that gradient, then clears it), and it
-// repeats: kMicroSteps consecutive steps of the parameter's optimizer each used a gradient made
-// after such a clear (a one-off probe backward before the loop, or a batch skipped once, is
-// not). It is skipped_step at that step (StepIntegrityCheck::on_step, GradObservation::
-// micro_cleared), naming the parameters.
+// micro-batches a step there is one unused clear per step, which the "cleared twice without a step"
+// rule above never sees. What tells such a clear from the legitimate ones: the cleared gradient was
+// produced with no optimizer step since — of this sanitizer's optimizers or of any other
+// sanitizer's in the process (a GAN's generator gradients from the discriminator's backward are
+// cleared after the discriminator's step; in Lightning's order, zero_grad() after each step, the
+// discriminator's gradients from the generator's backward are cleared after the generator's step) —
+// the parameter did not change since (SAM's first step moves the weights with that gradient, then
+// clears it), and it repeats: kMicroSteps consecutive steps of the parameter's optimizer each used
+// a gradient made after such a clear (a one-off probe backward before the loop, or a batch skipped
+// once, is not). A step of an optimizer no sanitizer watches is not seen: a discriminator attached
+// alone, its generator stepped outside TrainSan, in Lightning's order, would read as this (the
+// launcher attaches every optimizer). It is skipped_step at that step (StepIntegrityCheck::on_step,
+// GradObservation::micro_cleared), naming the parameters.
 void GradTracker::consume(const std::vector<size_t>& indices, bool manual,
                           std::vector<Consumed>* out) {
   const std::lock_guard<std::mutex> lock(mu_);
   if (!manual && probe_steps_ > 0) probe_steps_ -= 1;
-  if (!manual) steps_ += 1;
+  if (!manual) {
+    steps_ += 1;
+    any_steps.fetch_add(1);
+  }
   in_step_ = false;
   backwards_since_step_ = 0;
   grad_since_forward_ = false;
@@ -249,6 +259,7 @@ bool GradTracker::got_grad(int64_t opt) const {
 void GradTracker::amp_skip(int64_t opt) {
   const std::lock_guard<std::mutex> lock(mu_);
   steps_ += 1;
+  any_steps.fetch_add(1);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (opt < 0 || params_[i].opt == opt) {
       grad_[i].step_since_clear = true;  // the scaler consumed the gradient, on purpose
@@ -364,7 +375,8 @@ void GradTracker::on_grad_accumulated(size_t i) {
       if (s.unused_clears >= 2) s.skipped = true;
       // Note [Micro-batches cleared]: no optimizer's step since that gradient was produced and
       // the parameter unchanged: a micro-batch of this step, cleared before the next one.
-      if (s.produced_gen == steps_ && s.param_version == params_[i].param._version()) {
+      if (s.produced_gen == steps_ && s.produced_any == any_steps.load() &&
+          s.param_version == params_[i].param._version()) {
         s.micro_discard = true;
       }
     }
@@ -380,6 +392,7 @@ void GradTracker::on_grad_accumulated(size_t i) {
   s.got_grad = true;
   s.produced_gen = steps_;
   s.param_version = static_cast<int64_t>(params_[i].param._version());
+  s.produced_any = any_steps.load();
   s.discard_read = false;
   grad_since_forward_ = true;
   s.last = WeakImpl(g);

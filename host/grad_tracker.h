@@ -80,6 +80,7 @@ struct GradState {
   // step, no change of the parameter since it was produced); consecutive steps of its optimizer
   // that did.
   int64_t param_version = 0;
+  uint64_t produced_any = 0;  // optimizer steps of every sanitizer in the process at production
   bool micro_discard = false;
   int64_t micro_steps = 0;
   at::Tensor probe;  // while probing: .grad as the last backward left it had a nonzero

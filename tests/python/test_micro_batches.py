@@ -113,6 +113,29 @@ def test_gan_generator_gradients_cleared_after_the_discriminators_step_are_silen
     assert _skipped(san) == [], san.summary()
 
 
+def test_gan_in_lightnings_order_with_both_attached_is_silent():
+    """zero_grad() right after each step: G's backward leaves gradients on D's parameters, which
+    D's zero_grad() discards after G's step (seen by G's sanitizer)."""
+    G = _model()
+    D = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(1)
+    san_g = trainsan.attach(G, og, policy="record")
+    san_d = trainsan.attach(D, od, policy="record")
+    for _ in range(STEPS):
+        fake = G(torch.randn(4, 8, generator=g))
+        (D(torch.randn(4, 2, generator=g)).mean() - D(fake.detach()).mean()).backward()
+        od.step()
+        od.zero_grad()
+        (-D(fake).mean()).backward()
+        og.step()
+        og.zero_grad()
+        od.zero_grad()
+    san_g.close()
+    san_d.close()
+    assert _skipped(san_g) == [] and _skipped(san_d) == [], san_d.summary()
+
+
 def test_sam_is_silent():
     """Sharpness-aware minimisation: the first gradient moves the weights, is cleared, and the
     gradient at the moved weights makes the step."""
