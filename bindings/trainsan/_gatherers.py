@@ -76,7 +76,7 @@ class Hooks(Gatherer):
 
 
 class Held(Gatherer):
-    """A process-wide patch (_registry.Patch, or resume.journal), held for the "attach" lifetime
+    """A process-wide patch (_registry.Patch, or _journal.journal), held for the "attach" lifetime
     from now until close (Note [Patches]); `before_release` runs first then."""
 
     def __init__(self, patch, before_release: Optional[Callable[[], None]] = None) -> None:

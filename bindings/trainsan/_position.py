@@ -117,7 +117,7 @@ def _restored_loader(loader) -> bool:
 
 def facts(info, restored_any: bool) -> Optional[dict]:
     """ResumeFacts of the first training forward after a model load from checkpoint `info`
-    (resume.CkptInfo); None where no loader was iterated since its torch.load."""
+    (_journal.CkptInfo); None where no loader was iterated since its torch.load."""
     found = _latest(info.iters_before)
     if found is None:
         return None

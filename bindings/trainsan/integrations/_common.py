@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .._tables import OPTIONS
-from ..resume import watch_loads
+from .._journal import watch_loads
 
 Summary = Union[bool, Callable[[str], Any], None]
 
