@@ -81,9 +81,7 @@ class Rerun:
         def run() -> Any:
             return _run(drivers, model, rec)
 
-        step = drivers.RerunRecord()
-        for name, kind, hashes in rec.modules:
-            step.add_hashes(name, kind, list(hashes))
+        step = _record(drivers, rec.modules, [])
         san.apply(drivers.rerun(san.handle.hot_id(), start, scope.close, run, step))
 
 
@@ -114,12 +112,18 @@ def _run(drivers: Any, model: torch.nn.Module, rec: ForwardRecord) -> Any:
     finally:
         for h in hooks:
             h.remove()
+    order = reversed(range(len(named)))  # backward order: the output's side first
+    return _record(drivers, mods, [(named[i][0], _local(grads[i]).detach()) for i in order
+                                   if grads[i] is not None])
+
+
+def _record(drivers: Any, mods: list, grads: list) -> Any:
+    """A trainsan::RerunRecord of module fingerprints and named gradients."""
     r = drivers.RerunRecord()
     for name, kind, hashes in mods:
-        r.add_hashes(name, kind, list(hashes))
-    for i in reversed(range(len(named))):  # backward order: the output's side first
-        if grads[i] is not None:
-            r.add_grad(named[i][0], _local(grads[i]).detach())
+        r.add_hashes(name, kind, hashes)
+    for name, g in grads:
+        r.add_grad(name, g)
     return r
 
 
