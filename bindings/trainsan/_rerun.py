@@ -13,7 +13,9 @@ re-run starts from that state through started_from(): the model's buffers are *s
 copies of the recorded values — every module slot holding one buffer object gets the same copy —
 and the model's own put back untouched afterwards, with the RNG state as the re-run found it. An
 in-place restore (copy_) would move the version counters of the buffers, which a backward still
-to come checks (attribution re-runs before the step's backward when a loss is non-finite). The
+to come checks (attribution re-runs before the step's backward when a loss is non-finite). Both
+re-run forwards enter the recorded autocast regions (autocast_as()): the re-runs run outside the
+loop's autocast block, and a float32 re-run of a bfloat16 forward would differ from it. The
 recompute check (recompute.py) re-runs nothing (torch.utils.checkpoint does) and fingerprints the
 same RNG states, rng() below.
 
@@ -105,6 +107,15 @@ class ForwardRecord:
         for i, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(lambda g, _i=i: self.cotangents.__setitem__(_i, g.detach()))
+
+
+def autocast_as(rec: ForwardRecord) -> contextlib.ExitStack:
+    """The autocast regions `rec`'s forward ran in, entered: a re-run's forward runs where the
+    step's did (the re-runs run outside the loop's own autocast block)."""
+    stack = contextlib.ExitStack()
+    for dev, dtype in rec.amp:
+        stack.enter_context(torch.autocast(dev, dtype=dtype))
+    return stack
 
 
 @contextlib.contextmanager

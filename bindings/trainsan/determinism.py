@@ -21,7 +21,7 @@ import torch
 from . import _native
 from ._hooks import DUE_RERUN
 from ._facts import _local
-from ._rerun import ForwardRecord, started_from
+from ._rerun import ForwardRecord, autocast_as, started_from
 from .precision import _float_tensors
 from .replicas import fingerprints
 
@@ -103,7 +103,8 @@ def _run(drivers: Any, model: torch.nn.Module, rec: ForwardRecord) -> Any:
     hooks = _record_modules(model, mods)
     try:
         with torch.enable_grad():
-            out = model(*rec.args, **rec.kwargs)
+            with autocast_as(rec):  # the forward's autocast regions, as the step's
+                out = model(*rec.args, **rec.kwargs)
             outs = [t for t in _float_tensors(out, []) if t.requires_grad]
             pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
