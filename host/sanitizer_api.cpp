@@ -392,6 +392,16 @@ void Sanitizer::rerun(const std::function<RerunRecord()>& step_fn, const RerunRe
   }
 }
 
+void Sanitizer::rerun(const StepRerun& how, const std::optional<RerunRecord>& step) {
+  if (!rerun_due()) return;
+  const std::optional<RerunFacts> facts = impl_->reruns.rerun(how, step ? &*step : nullptr);
+  if (facts) {
+    rerun_result(*facts);
+  } else {
+    report();
+  }
+}
+
 Sanitizer::RerunNeed Sanitizer::rerun_needed(const Finding& f) const {
   return impl_->attribution.need(f);
 }

@@ -1,12 +1,12 @@
 // Ops of the op library that run a check's measurement or comparison for the Python package, so
-// that it and a LibTorch program compute them with the same code: the re-run comparison of
-// nondeterminism (compare_reruns, compare_recompute) and the walk of a loss root
-// (walk_loss_graph). (rank_desync's row and verdict run inside trainsan::ReplicaEngine, which the
-// package drives through _trainsan_hot: Note [Replica comparison].)
+// that it and a LibTorch program compute them with the same code: the recompute comparison of
+// nondeterminism (compare_recompute; the step re-runs' compare_reruns is reached through their
+// driver, Note [One re-run driver]) and the walk of a loss root (walk_loss_graph). (rank_desync's
+// row and verdict run inside trainsan::ReplicaEngine, which the package drives through
+// _trainsan_hot: Note [Replica comparison].)
 // A fragment of the trainsan library that ops.cpp defines; like ops.cpp, it binds only the public
 // C++ API.
 #include <ATen/ATen.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,51 +21,6 @@
 #include "trainsan/trainsan.h"
 
 namespace {
-
-// torch.classes.trainsan.RerunFingerprints: one run's fingerprints (trainsan::RerunFingerprints),
-// flattened: per output its name, type and number of hashes, the hashes in order; then the
-// gradients' names and hashes. Hashes are the 64 bits as int64 (TensorStats::hash).
-struct RerunFingerprintsHolder : torch::CustomClassHolder {
-  trainsan::RerunFingerprints fp;
-
-  RerunFingerprintsHolder(std::vector<std::string> names, std::vector<std::string> types,
-                          std::vector<int64_t> counts, std::vector<int64_t> hashes,
-                          std::vector<std::string> grad_names, std::vector<int64_t> grad_hashes) {
-    TORCH_CHECK_VALUE(names.size() == types.size() && names.size() == counts.size(),
-                      "RerunFingerprints: names, types and counts differ in length (", names.size(),
-                      ", ", types.size(), ", ", counts.size(), ")");
-    TORCH_CHECK_VALUE(grad_names.size() == grad_hashes.size(),
-                      "RerunFingerprints: grad_names and grad_hashes differ in length (",
-                      grad_names.size(), ", ", grad_hashes.size(), ")");
-    size_t h = 0;
-    for (size_t k = 0; k < names.size(); ++k) {
-      TORCH_CHECK_VALUE(counts[k] >= 0 && h + static_cast<size_t>(counts[k]) <= hashes.size(),
-                        "RerunFingerprints: counts say more hashes than the ", hashes.size(),
-                        " given");
-      trainsan::RerunFingerprints::Output o{std::move(names[k]), std::move(types[k]), {}};
-      for (int64_t j = 0; j < counts[k]; ++j)
-        o.hashes.push_back(static_cast<uint64_t>(hashes[h++]));
-      fp.outputs.push_back(std::move(o));
-    }
-    TORCH_CHECK_VALUE(h == hashes.size(), "RerunFingerprints: ", hashes.size() - h,
-                      " hashes left over after the counts");
-    for (size_t k = 0; k < grad_names.size(); ++k) {
-      fp.grads.emplace_back(std::move(grad_names[k]), static_cast<uint64_t>(grad_hashes[k]));
-    }
-  }
-};
-
-using Fingerprints = c10::intrusive_ptr<RerunFingerprintsHolder>;
-
-// Where the runs first differ: RerunFacts by name (Note [Facts by name]); None when they agree.
-std::optional<trainsan::FactsDict> compare_reruns_op(const Fingerprints& step,
-                                                     const Fingerprints& first,
-                                                     const Fingerprints& second) {
-  const std::optional<trainsan::RerunFacts> f =
-      trainsan::compare_reruns(step->fp, first->fp, second->fp);
-  if (!f) return std::nullopt;
-  return trainsan::facts_to_dict(*f);
-}
 
 trainsan::RecomputeRecord recompute_record(std::string region, std::string type,
                                            const std::vector<int64_t>& hashes,
@@ -114,10 +69,6 @@ std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, bool, bool> walk_loss_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trainsan, m) {
-  m.class_<RerunFingerprintsHolder>("RerunFingerprints")
-      .def(torch::init<std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<std::string>, std::vector<int64_t>>());
-  m.def("compare_reruns", &compare_reruns_op);
   m.def("compare_recompute", &compare_recompute_op);
   m.def("walk_loss_graph", &walk_loss_graph_op);
 }

@@ -6,25 +6,27 @@
 // Note [One orchestration]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // An algorithm that orchestrates evaluations of the user's code — the directional gradcheck of a
-// custom Function (measure_custom_grad, host/custom_grad.cpp) — or a schedule of collectives —
-// rank_desync's per replica set (trainsan::ReplicaEngine, Note [Replica comparison over c10d] in
-// host/replicas_pg.cpp) — is written once, in C++, where LibTorch programs call it. (One that needs
-// no Python callable is an op of the op library instead, which every Python can load: the loss-root
-// walk, walk_loss_graph in check_ops.cpp.) The Python package calls the same driver here, passing
-// Python callables: pybind11 wraps a Python function into the std::function the driver takes and
-// takes the GIL for each call. The GIL is released for the driver's own work, since its backward
-// may run a Python Function's backward on an autograd device thread, which needs the GIL (and the
-// replica engine waits for other ranks). The replica engine takes the side group the package made
-// (torch.distributed.new_group) as the c10d::ProcessGroup it is: torch's pybind11 class, holder
-// c10::intrusive_ptr, shared with this module through pybind11's internals (torch's own pybind11
-// headers); its Python steps read the store (replicas.py's _StoreSteps), and its reports go to the
-// handle, whose findings go back to Python. These drivers need pybind11, so they live in this
-// module, not in the op library (torch.classes cannot take a Python callable). The module is built
-// with the package wherever Python's headers are (always under pip); where it is missing (another
-// Python than the build's, TRAINSAN_HOT_MODULE OFF) the checks built on a driver are off and the
-// package says so in a note (drivers() in _native.py) — there is no second implementation in
-// Python. TRAINSAN_HOT=0 chooses the binding of the per-step events only; the drivers are used
-// either way.
+// custom Function (measure_custom_grad, host/custom_grad.cpp), the nondeterminism re-runs of a
+// step (Sanitizer::rerun, Note [One re-run driver] in host/feeds/rerun_feed.cpp: Python gives its
+// start state and one run as callables, the driver runs, fingerprints, compares and reports) — or a
+// schedule of collectives — rank_desync's per replica set (trainsan::ReplicaEngine, Note [Replica
+// comparison over c10d] in host/replicas_pg.cpp) — is written once, in C++, where LibTorch programs
+// call it. (One that needs no Python callable is an op of the op library instead, which every
+// Python can load: the loss-root walk, walk_loss_graph in check_ops.cpp.) The Python package calls
+// the same driver here, passing Python callables: pybind11 wraps a Python function into the
+// std::function the driver takes and takes the GIL for each call. The GIL is released for the
+// driver's own work, since its backward may run a Python Function's backward on an autograd device
+// thread, which needs the GIL (and the replica engine waits for other ranks). The replica engine
+// takes the side group the package made (torch.distributed.new_group) as the c10d::ProcessGroup it
+// is: torch's pybind11 class, holder c10::intrusive_ptr, shared with this module through pybind11's
+// internals (torch's own pybind11 headers); its Python steps read the store (replicas.py's
+// _StoreSteps), and its reports go to the handle, whose findings go back to Python. These drivers
+// need pybind11, so they live in this module, not in the op library (torch.classes cannot take a
+// Python callable). The module is built with the package wherever Python's headers are (always
+// under pip); where it is missing (another Python than the build's, TRAINSAN_HOT_MODULE OFF) the
+// checks built on a driver are off and the package says so in a note (drivers() in _native.py) —
+// there is no second implementation in Python. TRAINSAN_HOT=0 chooses the binding of the per-step
+// events only; the drivers are used either way.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -249,6 +251,43 @@ PYBIND11_MODULE(_trainsan_hot, m) {
       .def("stop", &trainsan::ReplicaEngine::stop)
       .def_property_readonly("stopped", &trainsan::ReplicaEngine::stopped)
       .def_property_readonly("launched", &trainsan::ReplicaEngine::launched);
+  // Note [One re-run driver] (host/feeds/rerun_feed.cpp): the nondeterminism re-runs. `run`
+  // returns a RerunRecord; `step` is the step's own forward's (None: not compared).
+  py::class_<trainsan::RerunRecord>(m, "RerunRecord",
+                                    "trainsan::RerunRecord: what one run of a step recorded")
+      .def(py::init<>())
+      .def(
+          "add_hashes",
+          [](trainsan::RerunRecord& r, std::string name, std::string type,
+             const std::vector<int64_t>& hashes) {
+            // The bits, as int64 (torch.ops.trainsan.tensor_stats' hash column).
+            r.add_hashes(std::move(name), std::vector<uint64_t>(hashes.begin(), hashes.end()),
+                         std::move(type));
+          },
+          "an output (a module's) by the fingerprints taken of it while the run ran")
+      .def(
+          "add_grad",
+          [](trainsan::RerunRecord& r, std::string name, at::Tensor grad) {
+            r.grads.emplace_back(std::move(name), std::move(grad));
+          },
+          "a gradient, in backward order (the output's side first)");
+  m.def(
+      "rerun",
+      [](int64_t id, std::function<void()> start, std::function<void()> restore,
+         std::function<trainsan::RerunRecord()> run,
+         const std::optional<trainsan::RerunRecord>& step) {
+        return guarded([&] {
+          tb::SanitizerHandle& h = handle(id);
+          const trainsan::StepRerun how{std::move(start), std::move(restore), std::move(run)};
+          {
+            const py::gil_scoped_release no_gil;
+            h.san->rerun(how, step);
+          }
+          return h.take();
+        });
+      },
+      "trainsan::Sanitizer::rerun(StepRerun, step): the reports; the callables' exceptions "
+      "propagate");
   m.def("gradients_cleared", [](int64_t id, int64_t opt) {
     return guarded([&] { return tb::handle_gradients_cleared(handle(id), opt); });
   });

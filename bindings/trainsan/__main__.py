@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print("per-step events: " + (f"_trainsan_hot ({hot.__file__})" if hot is not None else
                                      f"torch.classes methods ({_native.hot_problem})"))
         # Note [One orchestration] (bindings/csrc/hot.cpp): the checks whose driver runs Python.
-        print("C++ drivers (bad_custom_grad, rank_desync): " + (
+        print("C++ drivers (bad_custom_grad, rank_desync, nondeterminism's re-runs): " + (
             "_trainsan_hot" if _native.drivers() is not None else
             f"missing, those checks are off ({_native.drivers_problem()})"))
         return 0

@@ -63,7 +63,7 @@ _hot: list = []  # [module or None], once looked up
 hot_problem: Optional[str] = None  # why the module is not used (None: it is, or not looked up)
 
 
-_DRIVERS = ("measure_custom_grad", "ReplicaEngine")
+_DRIVERS = ("measure_custom_grad", "ReplicaEngine", "rerun", "RerunRecord")
 _ext: list = []  # [(module or None, why not)], once looked up
 
 

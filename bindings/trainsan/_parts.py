@@ -231,6 +231,12 @@ def _replicas(s: Setup) -> Optional[Gatherer]:
 @part("reruns")
 def _reruns(s: Setup) -> Gatherer:
     """nondeterminism: the step re-runs (Note [Re-run determinism]) and the recompute checks."""
+    if _native.drivers() is None and int(s.options.get("rerun_every", 0)) > 0 and \
+            enabled("nondeterminism", s.checks):
+        # Note [One orchestration] (bindings/csrc/hot.cpp): the re-runs' driver is C++ only.
+        s.ctx.note("check_off", "trainsan: nondeterminism's step re-runs (rerun_every) are not "
+                   f"checked: their driver runs in the _trainsan_hot module "
+                   f"({_native.drivers_problem()}); the recompute checks still are")
     s.ctx.rerun = Rerun(s.ctx, s.ctx.model)
     return Reruns(s.ctx.rerun)
 

@@ -13,22 +13,34 @@ re-run starts from that state through started_from(): the model's buffers are *s
 copies of the recorded values — every module slot holding one buffer object gets the same copy —
 and the model's own put back untouched afterwards, with the RNG state as the re-run found it. An
 in-place restore (copy_) would move the version counters of the buffers, which a backward still
-to come checks (attribution re-runs before the step's backward when a loss is non-finite). The
+to come checks (attribution re-runs before the step's backward when a loss is non-finite). Both
+re-run forwards enter the recorded autocast regions (autocast_as()): the re-runs run outside the
+loop's autocast block, and a float32 re-run of a bfloat16 forward would differ from it. The
 recompute check (recompute.py) re-runs nothing (torch.utils.checkpoint does) and fingerprints the
 same RNG states, rng() below.
 
-The LibTorch side has its own re-run driver, Sanitizer::rerun (host/feeds/rerun_feed.cpp), over
-what a LibTorch loop gives it: a step function that fills .grad, Setup::buffers as tensors
-(restored by copy_: a LibTorch program hands tensors, not module slots). The Python checks do not call it yet,
-because it differs from what they do where a finding could change: it clears and refills .grad
-(the Python re-runs take the gradients with torch.autograd.grad from the recorded output
-gradients, so no .grad and no hook on it is touched), it compares the step's own outputs as
-tensors (Python keeps only their fingerprints, taken at the step's forward, not the module outputs
-themselves), its start state is begin_step()'s (Python's is the forward's, recorded here), and it
-names gradients by the sanitizer's parameters (Python by model.named_parameters()). The plan: a
-Sanitizer::rerun overload taking the step's fingerprints, the start state and a gradient function,
-bound in _trainsan_hot (Note [One orchestration], bindings/csrc/hot.cpp), so that determinism.py
-keeps only the recording; the comparison (compare_reruns) is already one.
+The nondeterminism re-runs are orchestrated by one C++ driver, Sanitizer::rerun (Note [One re-run
+driver], host/feeds/rerun_feed.cpp), which determinism.py calls through _trainsan_hot (Note [One
+orchestration], bindings/csrc/hot.cpp) with what differs from a LibTorch loop as callables: the
+start state is started_from() below entered and left around each run (a LibTorch loop's is
+begin_step()'s, copied into Setup::buffers), and a run calls the model on the recorded inputs,
+fingerprints each module's output in its forward hook and takes the gradients with
+torch.autograd.grad from the recorded output gradients (no .grad and no hook on it touched),
+named by model.named_parameters() (a LibTorch loop's step function fills .grad, named by the
+sanitizer's parameters). The two runs, the look-away of the gradient hooks and the op audit, the
+fingerprints of the gradients, the comparison (compare_reruns) and the report are the driver's;
+determinism.py keeps the recording and the two callables. Without _trainsan_hot the re-runs are
+off, with a note (no second implementation).
+
+Re-run attribution is single-sourced where it decides: which finding is re-run, the
+rerun_on_error budget, the verdict (judge_rerun), the finding's rewrite and the trace records are
+C++ (Sanitizer::rerun_needed / attribute). What a re-run measured (RerunOutcome) is gathered twice,
+by attribution.py and by RerunFeed::rerun_for for a LibTorch loop's Setup::rerun_step, because
+the two measure different things: Python re-runs the model's forward (the backward only for
+nonfinite_grad, from the recorded output gradients) and compares the module outputs it kept,
+within a relative 1e-4, and it can re-run before the step's backward (the buffers are swapped,
+not written); a LibTorch step function runs forward and backward, and its values are compared
+by fingerprint with the losses the step watched.
 """
 
 from __future__ import annotations
@@ -95,6 +107,15 @@ class ForwardRecord:
         for i, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(lambda g, _i=i: self.cotangents.__setitem__(_i, g.detach()))
+
+
+def autocast_as(rec: ForwardRecord) -> contextlib.ExitStack:
+    """The autocast regions `rec`'s forward ran in, entered: a re-run's forward runs where the
+    step's did (the re-runs run outside the loop's own autocast block)."""
+    stack = contextlib.ExitStack()
+    for dev, dtype in rec.amp:
+        stack.enter_context(torch.autocast(dev, dtype=dtype))
+    return stack
 
 
 @contextlib.contextmanager

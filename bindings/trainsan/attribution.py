@@ -18,7 +18,6 @@ skips a batch by itself.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -31,7 +30,7 @@ from . import _native
 from ._facts import _flat_tensors, _local
 from ._findings import TrainingBugWarning
 from ._gatherers import Gatherer
-from ._rerun import ForwardRecord, started_from
+from ._rerun import ForwardRecord, autocast_as, started_from
 from .determinism import _distributed
 from .precision import _float_tensors
 from .replicas import fingerprints
@@ -174,10 +173,7 @@ class Attribution(Gatherer):
         try:
             # The step's starting buffers and RNG state (Note [One re-run recorder], _rerun.py).
             with started_from(model, rec):
-                with contextlib.ExitStack() as stack:
-                    for dev, dtype in rec.amp:
-                        stack.enter_context(torch.autocast(dev, dtype=dtype))
-                    stack.enter_context(torch.enable_grad() if grads else torch.no_grad())
+                with autocast_as(rec), torch.enable_grad() if grads else torch.no_grad():
                     out = model(*rec.args, **rec.kwargs)
                 outs = _float_tensors(out, [])
                 o["outputs_nonfinite"] = _nonfinite([t.detach() for t in outs])

@@ -3,15 +3,16 @@
 On a step the sanitizer samples (rerun_every), the training forward records what it started
 from — its inputs, the RNG states, a copy of the model's buffers (Note [One re-run recorder],
 _rerun.py) — and the fingerprint of every module output, and the model's output gradients are
-captured in the backward. Before the
-optimizer step the forward and backward are re-run twice from that state
-(torch.autograd.grad: .grad is never touched), the fingerprints compared, and the buffers and RNG
-put back as the step left them. Where the fingerprints first differ is decided in C++
-(trainsan::compare_reruns, which Sanitizer::rerun uses for LibTorch loops).
+captured in the backward. Before the optimizer step the C++ driver (Sanitizer::rerun, Note [One
+re-run driver] in host/feeds/rerun_feed.cpp, through _trainsan_hot) re-runs the forward and
+backward twice from that state with the callables given here (torch.autograd.grad: .grad is never
+touched), compares the fingerprints (trainsan::compare_reruns) and reports; the buffers and RNG
+are put back as the step left them. Without _trainsan_hot the re-runs are off (a note says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Optional
 
@@ -20,17 +21,18 @@ import torch
 from . import _native
 from ._hooks import DUE_RERUN
 from ._facts import _local
-from ._rerun import ForwardRecord, started_from
+from ._rerun import ForwardRecord, autocast_as, started_from
 from .precision import _float_tensors
 from .replicas import fingerprints
 
 
-def _hashes(tensors: list) -> tuple:
-    return tuple(fingerprints([_local(t).detach() for t in tensors]))
+def _hashes(tensors: list) -> list:
+    return fingerprints([_local(t).detach() for t in tensors])
 
 
 class Rerun:
-    """The nondeterminism check of one sanitizer."""
+    """The nondeterminism check of one sanitizer: the recording and the callables of its
+    re-runs; the orchestration is C++ (Note [One re-run driver])."""
 
     def __init__(self, san, model: torch.nn.Module):
         self._ref = weakref.ref(san)
@@ -38,7 +40,7 @@ class Rerun:
         self._rec: Optional[ForwardRecord] = None
         self._hooks: list = []
         self._forwards = 0  # training forwards since the last step
-        self.disabled = False  # a compiled or distributed model
+        self.disabled = _native.drivers() is None  # no driver; or a compiled or distributed model
 
     def _clear(self) -> None:
         for h in self._hooks:
@@ -56,10 +58,7 @@ class Rerun:
             return
         rec = ForwardRecord(self._model, args, kwargs)  # Note [One re-run recorder]
         self._rec = rec
-        for name, m in self._model.named_modules():
-            self._hooks.append(m.register_forward_hook(
-                lambda mod, a, out, _n=name: rec.modules.append(
-                    (_n, type(mod).__name__, _hashes(_float_tensors(out, []))))))
+        self._hooks.extend(_record_modules(self._model, rec.modules))
         self._hooks.append(self._model.register_forward_hook(
             lambda mod, a, out: rec.watch_outputs(out, keep=False)))
 
@@ -69,52 +68,64 @@ class Rerun:
         forwards, self._forwards = self._forwards, 0
         self._clear()
         san = self._ref()
-        if rec is None or san is None or san.closed or forwards != 1 or not rec.cotangents:
+        drivers = _native.drivers()
+        if rec is None or san is None or san.closed or forwards != 1 or not rec.cotangents or \
+                drivers is None:
             return
-        a = self._run(rec)
-        b = self._run(rec)
-        facts = _compare(rec, a, b)
-        if facts is not None:
-            san.apply(san.handle.rerun_result(_native.fields(facts)))
-
-    def _run(self, rec: ForwardRecord) -> tuple:
         model = self._model
-        mods: list = []
-        hooks = [m.register_forward_hook(
-            lambda mod, a, out, _n=name: mods.append(
-                (_n, type(mod).__name__, _hashes(_float_tensors(out, [])))))
-            for name, m in model.named_modules()]
-        try:
-            with started_from(model, rec), torch.enable_grad():
+        scope = contextlib.ExitStack()
+
+        def start() -> None:
+            scope.enter_context(started_from(model, rec))
+
+        def run() -> Any:
+            return _run(drivers, model, rec)
+
+        step = _record(drivers, rec.modules, [])
+        san.apply(drivers.rerun(san.handle.hot_id(), start, scope.close, run, step))
+
+
+def _record_modules(model: torch.nn.Module, into: list) -> list:
+    """Forward hooks that append (name, type, fingerprints of its floating outputs) of every
+    module's output to `into`, in execution order: their handles."""
+    return [m.register_forward_hook(
+        lambda mod, a, out, _n=name: into.append(
+            (_n, type(mod).__name__, _hashes(_float_tensors(out, [])))))
+        for name, m in model.named_modules()]
+
+
+def _run(drivers: Any, model: torch.nn.Module, rec: ForwardRecord) -> Any:
+    """One re-run (the driver's StepRerun::run, between start() and restore()): the forward on
+    the recorded inputs, each module's output fingerprinted in its hook, and the gradients of the
+    parameters from the recorded output gradients (torch.autograd.grad), named by
+    model.named_parameters() in backward order: a RerunRecord."""
+    mods: list = []
+    hooks = _record_modules(model, mods)
+    try:
+        with torch.enable_grad():
+            with autocast_as(rec):  # the forward's autocast regions, as the step's
                 out = model(*rec.args, **rec.kwargs)
-                outs = [t for t in _float_tensors(out, []) if t.requires_grad]
-                pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
-                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-                grads = torch.autograd.grad([o for o, _ in pairs], [p for _, p in named],
-                                            [g for _, g in pairs], allow_unused=True)
-            order = list(range(len(named)))[::-1]  # backward order: the output's side first
-            gl = [(named[i][0], grads[i]) for i in order if grads[i] is not None]
-            ghash = dict(zip([n for n, _ in gl], _hashes([g for _, g in gl])))
-            gnames = [n for n, _ in gl]
-        finally:
-            for h in hooks:
-                h.remove()
-        return mods, gnames, ghash
+            outs = [t for t in _float_tensors(out, []) if t.requires_grad]
+            pairs = [(outs[i], g) for i, g in sorted(rec.cotangents.items()) if i < len(outs)]
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], [p for _, p in named],
+                                        [g for _, g in pairs], allow_unused=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    order = reversed(range(len(named)))  # backward order: the output's side first
+    return _record(drivers, mods, [(named[i][0], _local(grads[i]).detach()) for i in order
+                                   if grads[i] is not None])
 
 
-def _fingerprints(mods: list, gnames: list = (), ghash: Optional[dict] = None):
-    """One run's fingerprints as the C++ comparison takes them (trainsan::RerunFingerprints)."""
-    ghash = ghash or {}
-    return torch.classes.trainsan.RerunFingerprints(
-        [m[0] for m in mods], [m[1] for m in mods], [len(m[2]) for m in mods],
-        [h for m in mods for h in m[2]], list(gnames), [ghash[n] for n in gnames])
-
-
-def _compare(rec: ForwardRecord, a: tuple, b: tuple) -> Optional[dict]:
-    """The first difference (RerunFacts by name: where, tensor, type, position, checked), or
-    None: the C++ comparison (trainsan::compare_reruns, host/checks/determinism.cpp)."""
-    return torch.ops.trainsan.compare_reruns(_fingerprints(rec.modules), _fingerprints(*a),
-                                             _fingerprints(*b))
+def _record(drivers: Any, mods: list, grads: list) -> Any:
+    """A trainsan::RerunRecord of module fingerprints and named gradients."""
+    r = drivers.RerunRecord()
+    for name, kind, hashes in mods:
+        r.add_hashes(name, kind, hashes)
+    for name, g in grads:
+        r.add_grad(name, g)
+    return r
 
 
 def _distributed() -> bool:

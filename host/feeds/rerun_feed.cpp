@@ -1,8 +1,31 @@
-// Re-runs of a LibTorch loop's step (rerun_feed.h). nondeterminism: Sanitizer::rerun re-runs the
-// caller's step twice from the state the step started from, fingerprints what each run produced
-// and compares the fingerprints (compare_reruns, host/checks/determinism.cpp; Note [Re-run
-// determinism] there). Re-run attribution: rerun_for runs Setup::rerun_step once. Whatever a
-// re-run touches — the gradients, the RNG state, the buffers — is put back as it was found.
+// Re-runs of a step (rerun_feed.h). nondeterminism: Sanitizer::rerun re-runs the caller's step
+// twice from the state the step started from, fingerprints what each run produced and compares
+// the fingerprints (compare_reruns, host/checks/determinism.cpp; Note [Re-run determinism]
+// there). Re-run attribution: rerun_for runs Setup::rerun_step once. Whatever a re-run touches —
+// the gradients, the RNG state, the buffers — is put back as it was found.
+//
+// Note [One re-run driver]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The nondeterminism re-runs are orchestrated once, here (RerunFeed::rerun(StepRerun, step)),
+// for a LibTorch loop and for the Python package (which calls it through _trainsan_hot, Note
+// [One orchestration] in bindings/csrc/hot.cpp). What legitimately differs between them is what
+// the driver is given (trainsan::StepRerun):
+//   * start() / restore(): the state a run starts from and its undoing. LibTorch: begin_step()'s
+//     RNG state and Setup::buffers, copied in (copy_: a LibTorch program hands tensors, not
+//     module slots), .grad cleared; RerunScope puts .grad, buffers and RNG back once after both
+//     runs. Python: the state its training forward recorded, with the model's buffers swapped
+//     for copies (started_from, Note [One re-run recorder] in bindings/trainsan/_rerun.py).
+//   * run(): one forward and backward, as a RerunRecord. LibTorch: the caller's step function,
+//     which fills .grad (read from the sanitizer's parameters, named by them). Python: the model
+//     called on the recorded inputs, each module's output fingerprinted in its forward hook
+//     (RerunRecord::Output::hashes), the gradients taken with torch.autograd.grad from the
+//     gradients that reached the step's outputs (no .grad, no hook on it touched) and named by
+//     model.named_parameters().
+//   * the step's own record: LibTorch's is the caller's `own` (compared only when begin_step()
+//     kept the start state); Python's the fingerprints its forward hooks took.
+// The rest is the driver's: two runs, each between start() and restore() (on an exception too),
+// the gradient hooks and the op audit looking away, the fingerprints of a run in one pass
+// (fingerprint()), compare_reruns, and the report through rerun_result (Sanitizer::rerun).
 #include "feeds/rerun_feed.h"
 
 #include <ATen/ATen.h>
@@ -31,9 +54,9 @@ std::vector<at::Tensor> param_tensors(const std::vector<TrackedParam>& params) {
   return out;
 }
 
-// One pass and one read for every tensor of a run: outputs in order, then the gradients of
-// `params` (when given) in backward order.
-RerunFingerprints fingerprint(const RerunRecord& r, const std::vector<TrackedParam>* params) {
+// One pass and one read for every tensor of a run: its outputs' tensors in order (after the
+// fingerprints the caller took), then its gradients in backward order.
+RerunFingerprints fingerprint(const RerunRecord& r) {
   std::vector<at::Tensor> all;
   std::vector<size_t> per_output;
   for (const RerunRecord::Output& o : r.outputs) {
@@ -46,14 +69,11 @@ RerunFingerprints fingerprint(const RerunRecord& r, const std::vector<TrackedPar
     }
     per_output.push_back(n);
   }
-  std::vector<size_t> grad_of;
-  if (params != nullptr) {
-    for (size_t i = params->size(); i-- > 0;) {  // backward order: the output's side first
-      const at::Tensor& g = (*params)[i].param.grad();
-      if (fingerprinted(g)) {
-        all.push_back(g.detach());
-        grad_of.push_back(i);
-      }
+  std::vector<const std::string*> grad_names;
+  for (const auto& [name, g] : r.grads) {
+    if (fingerprinted(g)) {
+      all.push_back(g.detach());
+      grad_names.push_back(&name);
     }
   }
   const std::vector<TensorStats> stats =
@@ -61,12 +81,18 @@ RerunFingerprints fingerprint(const RerunRecord& r, const std::vector<TrackedPar
   RerunFingerprints out;
   size_t k = 0;
   for (size_t j = 0; j < r.outputs.size(); ++j) {
-    RerunFingerprints::Output o{r.outputs[j].name, r.outputs[j].type, {}};
+    RerunFingerprints::Output o{r.outputs[j].name, r.outputs[j].type, r.outputs[j].hashes};
     for (size_t n = 0; n < per_output[j]; ++n) o.hashes.push_back(stats[k++].hash);
     out.outputs.push_back(std::move(o));
   }
-  for (const size_t i : grad_of) out.grads.emplace_back((*params)[i].name, stats[k++].hash);
+  for (const std::string* name : grad_names) out.grads.emplace_back(*name, stats[k++].hash);
   return out;
+}
+
+// The parameters' .grad, named by the sanitizer, in backward order (the output's side first).
+void add_param_grads(RerunRecord& r, const std::vector<TrackedParam>& params) {
+  for (size_t i = params.size(); i-- > 0;)
+    r.grads.emplace_back(params[i].name, params[i].param.grad());
 }
 
 void copy_into(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
@@ -81,15 +107,31 @@ std::vector<at::Tensor> copies(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
-// What a re-run touches, as rerun() found it, put back on every way out (an exception of the
-// caller's step function included); the gradient hooks and the op audit look away meanwhile.
+// The sanitizer's gradient hooks and the op audit look away from a re-run.
+class LookAway {
+ public:
+  explicit LookAway(GradTracker& grads) : grads_(grads) {
+    grads_.set_paused(true);
+    Sanitizer::pause_audit(true);
+  }
+  ~LookAway() {
+    Sanitizer::pause_audit(false);
+    grads_.set_paused(false);
+  }
+  LookAway(const LookAway&) = delete;
+  LookAway& operator=(const LookAway&) = delete;
+
+ private:
+  GradTracker& grads_;
+};
+
+// What a LibTorch re-run touches, as the scope found it, put back on every way out (an
+// exception of the caller's step function included).
 class RerunScope {
  public:
   RerunScope(FeedContext& ctx, std::vector<c10::DeviceIndex> devices)
       : ctx_(ctx), rng_(RngState::capture(devices)), buffers_(copies(ctx.setup.buffers)) {
     for (const TrackedParam& p : ctx.params) grads_.push_back(p.param.grad());
-    ctx.grads.set_paused(true);
-    Sanitizer::pause_audit(true);
   }
   ~RerunScope() {
     try {
@@ -98,8 +140,6 @@ class RerunScope {
       rng_.restore();
     } catch (...) {  // a destructor: nothing else to do with it
     }
-    Sanitizer::pause_audit(false);
-    ctx_.grads.set_paused(false);
   }
   RerunScope(const RerunScope&) = delete;
   RerunScope& operator=(const RerunScope&) = delete;
@@ -120,6 +160,23 @@ class RerunScope {
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> grads_;
 };
+
+// One run of a StepRerun, between its start() and, once start() returned, its restore().
+RerunRecord run_once(const StepRerun& how) {
+  how.start();
+  RerunRecord r;
+  try {
+    r = how.run();
+  } catch (...) {
+    try {
+      if (how.restore) how.restore();
+    } catch (...) {  // the run's exception is the one to report
+    }
+    throw;
+  }
+  if (how.restore) how.restore();
+  return r;
+}
 
 }  // namespace
 
@@ -232,6 +289,7 @@ RerunOutcome RerunFeed::rerun_for(const Finding& f) {
     } rearm{armed ? watch.get() : nullptr};
     {
       RerunScope scope(ctx_, cuda_devices(param_tensors(params)));
+      const LookAway look_away(ctx_.grads);
       scope.start(from.rng, from.buffers);
       r = rerun_step();
       std::vector<at::Tensor> gs;
@@ -271,29 +329,52 @@ RerunOutcome RerunFeed::rerun_for(const Finding& f) {
   return o;
 }
 
-std::optional<RerunFacts> RerunFeed::rerun(const std::function<RerunRecord()>& step_fn,
-                                           const RerunRecord& step) {
-  TORCH_CHECK_VALUE(!ctx_.grads.in_step(),
+namespace {
+
+void check_not_in_step(const GradTracker& grads) {
+  TORCH_CHECK_VALUE(!grads.in_step(),
                     "Sanitizer::rerun: called inside an optimizer step; call it after the step's "
                     "backward and before optimizer.step()");
+}
+
+}  // namespace
+
+std::optional<RerunFacts> RerunFeed::rerun(const std::function<RerunRecord()>& step_fn,
+                                           const RerunRecord& step) {
+  check_not_in_step(ctx_.grads);
   const auto t0 = std::chrono::steady_clock::now();
   const StepStart* from =
       rerun_start_ && rerun_start_->step == ctx_.step ? &*rerun_start_ : nullptr;
-  RerunFingerprints first, second;
+  std::optional<RerunFacts> facts;
   {
     RerunScope scope(ctx_, cuda_devices(param_tensors(ctx_.params)));
-    scope.start(from);
-    first = fingerprint(step_fn(), &ctx_.params);
-    scope.start(from);
-    second = fingerprint(step_fn(), &ctx_.params);
+    const StepRerun how{[&] { scope.start(from); },
+                        {},  // the scope puts .grad, the buffers and the RNG state back
+                        [&] {
+                          RerunRecord r = step_fn();
+                          if (r.grads.empty()) add_param_grads(r, ctx_.params);
+                          return r;
+                        }};
+    // The step's own forward is comparable only when the re-runs started where it started.
+    facts = rerun(how, from != nullptr ? &step : nullptr);
   }
-  // The step's own forward is comparable only when the re-runs started where it started.
-  const RerunFingerprints own = from != nullptr ? fingerprint(step, nullptr) : RerunFingerprints{};
   rerun_start_.reset();
-  const std::optional<RerunFacts> facts = compare_reruns(own, first, second);
   ctx_.time.add_overhead(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return facts;
+}
+
+std::optional<RerunFacts> RerunFeed::rerun(const StepRerun& how, const RerunRecord* step) {
+  check_not_in_step(ctx_.grads);
+  TORCH_CHECK_VALUE(how.start && how.run, "Sanitizer::rerun: StepRerun needs start and run");
+  RerunFingerprints first, second;
+  {
+    const LookAway look_away(ctx_.grads);
+    first = fingerprint(run_once(how));
+    second = fingerprint(run_once(how));
+  }
+  const RerunFingerprints own = step != nullptr ? fingerprint(*step) : RerunFingerprints{};
+  return compare_reruns(own, first, second);
 }
 
 }  // namespace host

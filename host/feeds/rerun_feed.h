@@ -37,9 +37,13 @@ class RerunFeed final : public Feed {
   void capture_error_start(const std::vector<at::Tensor>& inputs);
   /// The step's losses, for the attribution re-run's comparison.
   void on_loss(const at::Tensor& loss) override;
-  /// Sanitizer::rerun's runs and their comparison (nullopt: nothing to compare).
+  /// Sanitizer::rerun's runs and their comparison (nullopt: nothing to compare): a LibTorch
+  /// loop's step function, from begin_step()'s state, through the driver below.
   std::optional<RerunFacts> rerun(const std::function<RerunRecord()>& step_fn,
                                   const RerunRecord& step);
+  /// The driver (Note [One re-run driver]): `how` run twice, fingerprinted and compared with each
+  /// other and with `step` (nullptr: not compared).
+  std::optional<RerunFacts> rerun(const StepRerun& how, const RerunRecord* step);
   /// Runs rerun_step once for `f`'s step (re-run attribution).
   RerunOutcome rerun_for(const Finding& f);
 

@@ -501,6 +501,63 @@ TEST(Rerun, StepFunctionErrorsLeaveTheStepAsItWas) {
   san.close();
 }
 
+// The driver with the caller's start state and run (Note [One re-run driver]), as the Python
+// package calls it: two runs, each between start() and restore(), the records' own fingerprints
+// and gradients compared, restore() called on an exception too; nothing when no re-run is due.
+TEST(Rerun, StepRerunDriverRunsTwiceBetweenStartAndRestore) {
+  at::Tensor w = torch::randn({3}).requires_grad_();
+  trainsan::Options o;
+  o.policy = "record";
+  o.rerun_every = 2;
+  trainsan::Sanitizer san({{"w", w}}, o);
+  std::vector<std::string> calls;
+  int runs = 0;
+  bool noisy_grad = false;
+  const trainsan::StepRerun how{[&] { calls.push_back("start"); },
+                                [&] { calls.push_back("restore"); },
+                                [&] {
+                                  calls.push_back("run");
+                                  runs += 1;
+                                  trainsan::RerunRecord r;
+                                  r.add_hashes("fc", {7, 8}, "Linear");
+                                  const at::Tensor g = torch::ones({3});
+                                  r.grads.emplace_back("w", noisy_grad ? g * runs : g);
+                                  return r;
+                                }};
+  trainsan::RerunRecord own;
+  own.add_hashes("fc", {7, 8}, "Linear");
+  san.begin_step();
+  san.rerun(how, own);  // step 0: due, the runs agree with each other and with the step's own
+  EXPECT_EQ(calls,
+            (std::vector<std::string>{"start", "run", "restore", "start", "run", "restore"}));
+  EXPECT_TRUE(san.findings().empty());
+  san.end_step();
+  calls.clear();
+  san.begin_step();
+  san.rerun(how, own);  // step 1: not due
+  EXPECT_TRUE(calls.empty());
+  san.end_step();
+  san.begin_step();
+  noisy_grad = true;
+  san.rerun(how, std::nullopt);  // step 2: the gradients differ
+  ASSERT_EQ(san.findings().size(), 1u);
+  EXPECT_EQ(san.findings()[0].kind, "nondeterminism");
+  EXPECT_EQ(san.findings()[0].tensor, "w");
+  EXPECT_NE(san.findings()[0].message.find("backward twice"), std::string::npos);
+  san.end_step();
+  san.begin_step();
+  san.end_step();
+  san.begin_step();
+  calls.clear();
+  const trainsan::StepRerun failing{how.start, how.restore, [&]() -> trainsan::RerunRecord {
+                                      calls.push_back("run");
+                                      throw std::runtime_error("the run failed");
+                                    }};
+  EXPECT_THROW(san.rerun(failing, std::nullopt), std::runtime_error);  // step 4
+  EXPECT_EQ(calls, (std::vector<std::string>{"start", "run", "restore"}));
+  san.close();
+}
+
 // --- Sanitizer::recompute (Note [Recompute checks]) -----------------------------------------
 
 // A region with dropout, called for its forward and again for its "recompute", the RNG state

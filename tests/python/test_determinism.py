@@ -151,3 +151,21 @@ def test_header_records_what_reconstructs_a_run(tmp_path, monkeypatch):
     assert head["backends"]["cudnn_benchmark"] in (True, False)
     assert head["backends"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert head["numeric_env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_autocast_forward_is_rerun_under_its_autocast():
+    """The re-runs run before the optimizer step, outside the loop's autocast block: their
+    forward enters the regions the step's forward ran in (Note [One re-run recorder]), or the
+    re-runs would agree with each other and not with the step's own bfloat16 forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    san = trainsan.attach(model, opt, policy="record", rerun_every=1)
+    for _ in range(2):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+    san.close()
+    assert not [f for f in san.findings if f.kind == "nondeterminism"]

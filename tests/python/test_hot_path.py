@@ -187,3 +187,22 @@ def test_a_replica_comparison_that_cannot_be_set_up_is_off_with_a_note(monkeypat
         assert any("its comparison could not be set up" in n for n in notes), notes
     finally:
         san.close()
+
+
+def test_without_the_module_the_step_reruns_are_off_with_a_note(monkeypatch):
+    monkeypatch.setattr(_native, "_ext", [(None, "not built (test)")])
+    monkeypatch.setattr(_native, "_hot", [None])
+    m = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    san = trainsan.attach(m, opt, policy="record", rerun_every=1)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            m(torch.randn(8, 3)).sum().backward()
+            opt.step()
+        notes = san.coverage().get("notes", [])
+        assert any("step re-runs (rerun_every) are not checked" in n and "not built (test)" in n
+                   for n in notes), notes
+        assert not [f for f in san.findings if f.kind == "nondeterminism"]
+    finally:
+        san.close()

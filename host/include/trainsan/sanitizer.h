@@ -85,19 +85,46 @@ struct ModelBinding {
 /// re-runs (Sanitizer::rerun): the values the caller chooses to compare, in execution order, e.g.
 ///   trainsan::RerunRecord r;
 ///   r.add("model", {out}).add("loss", {loss});
-/// Their floating tensors are fingerprinted (TensorStats::hash); the gradients are read by the
-/// sanitizer from its parameters.
+/// Their floating tensors are fingerprinted (TensorStats::hash). The gradients are the run's
+/// `grads`; Sanitizer::rerun(step_fn, ...) reads them from the sanitizer's parameters' .grad
+/// where step_fn leaves them empty.
 struct RerunRecord {
   struct Output {
     std::string name;  ///< e.g. a module's name; "" is the model itself
     std::string type;  ///< e.g. "Linear"; may be empty
     std::vector<at::Tensor> tensors;
+    /// Fingerprints (TensorStats::hash) taken by the caller while the run ran, e.g. in a module's
+    /// forward hook, before a later in-place op could change the output; they come before those
+    /// of `tensors`.
+    std::vector<uint64_t> hashes;
   };
   std::vector<Output> outputs;
+  /// (name, gradient) of the run's gradients in backward order (the output's side first); those
+  /// the fingerprint cannot read (undefined, sparse, another device) are left out.
+  std::vector<std::pair<std::string, at::Tensor>> grads;
   RerunRecord& add(std::string name, std::vector<at::Tensor> tensors, std::string type = "") {
-    outputs.push_back({std::move(name), std::move(type), std::move(tensors)});
+    outputs.push_back({std::move(name), std::move(type), std::move(tensors), {}});
     return *this;
   }
+  RerunRecord& add_hashes(std::string name, std::vector<uint64_t> hashes, std::string type = "") {
+    outputs.push_back({std::move(name), std::move(type), {}, std::move(hashes)});
+    return *this;
+  }
+};
+
+/// How a step is re-run for the nondeterminism check (Sanitizer::rerun; Note [One re-run driver]
+/// in host/feeds/rerun_feed.cpp): what differs between loops is given here, the rest — two runs,
+/// each between start() and restore(), the sanitizer's gradient hooks and op audit looking away,
+/// the fingerprints in one pass, compare_reruns, rerun_result — is the driver's.
+struct StepRerun {
+  /// Puts the state the step started from in place (RNG state, buffers, gradients cleared where
+  /// the run fills .grad); called before each run.
+  std::function<void()> start;
+  /// Puts back what start() replaced; called after each run that start() began, on an exception
+  /// too. May be empty (the caller puts the state back after rerun() returns).
+  std::function<void()> restore;
+  /// Runs the step's forward and backward once more: what it recorded, gradients included.
+  std::function<RerunRecord()> run;
 };
 
 /// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
@@ -308,6 +335,16 @@ class Sanitizer {
   /// step's own forward recorded (the same values), is compared with them when begin_step()
   /// started this step. A difference is reported through rerun_result().
   void rerun(const std::function<RerunRecord()>& step_fn, const RerunRecord& step = {});
+  /// The same check with the re-run and its start state given by the caller (the Python
+  /// package's: its runs take the gradients with torch.autograd.grad from the gradients that
+  /// reached the step's outputs, and start from the state its forward recorded); does nothing
+  /// unless rerun_due(). Call it after the step's backward, before the optimizer step. `how.run`
+  /// is called twice, each between how.start() and how.restore(); the two records, then their
+  /// gradients, are compared with each other and with `step` (the step's own forward; none: not
+  /// recorded, or started elsewhere), and a difference is reported through rerun_result(). An
+  /// exception of a callable propagates, with restore() called. Its time is the caller's to count
+  /// (add_overhead; the Python package's step hooks count it).
+  void rerun(const StepRerun& how, const std::optional<RerunRecord>& step);
   /// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution] in
   /// host/checks/attribution.cpp): what the new finding `f` (its kind and tensor) needs.
   /// kNone: nothing (off, not a nonfinite_loss, nonfinite_grad or loss_spike, already
