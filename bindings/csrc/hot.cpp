@@ -53,7 +53,8 @@ auto guarded(F&& f) -> decltype(f()) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-// A facts struct's fields by name (Note [Facts by name]) as a Python dict: scalar fields only.
+// A facts struct's fields by name (Note [Facts by name]) as a Python dict: scalar fields only (a
+// Finding's, a CustomGradResult's).
 py::dict to_py(const trainsan::FactsDict& d) {
   py::dict out;
   for (const auto& kv : d) {
@@ -77,6 +78,13 @@ py::dict to_py(const trainsan::FactsDict& d) {
   return out;
 }
 
+// Reports as the torch.classes methods return them: a list of (finding dict, action).
+py::list to_py(const tb::Reports& reports) {
+  py::list out;
+  for (const auto& [finding, action] : reports) out.append(py::make_tuple(to_py(finding), action));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_trainsan_hot, m) {
@@ -86,24 +94,28 @@ PYBIND11_MODULE(_trainsan_hot, m) {
            double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
            bool loader_worker_init, std::vector<at::Tensor> batch) {
           return guarded([&] {
-            return tb::handle_forward(handle(id), training, std::move(inputs),
-                                      std::move(module_eval), extra_s, data_restarts, loader_pass,
-                                      loader_workers, loader_worker_init, std::move(batch));
+            auto [reports, due] = tb::handle_forward(
+                handle(id), training, std::move(inputs), std::move(module_eval), extra_s,
+                data_restarts, loader_pass, loader_workers, loader_worker_init, std::move(batch));
+            return py::make_tuple(to_py(reports), due);
           });
         });
   m.def("loss", [](int64_t id, const at::Tensor& loss) {
-    return guarded([&] { return tb::handle_loss(handle(id), loss); });
+    return guarded([&] { return to_py(tb::handle_loss(handle(id), loss)); });
   });
   m.def("loss_reaches", [](int64_t id, const at::Tensor& loss) {
     return guarded([&] { return tb::handle_loss_reaches(handle(id), loss); });
   });
   m.def("step_begin", [](int64_t id, int64_t opt, bool grads_final) {
-    return guarded([&] { return tb::handle_step_begin(handle(id), opt, grads_final); });
+    return guarded([&] {
+      auto [reports, headroom] = tb::handle_step_begin(handle(id), opt, grads_final);
+      return py::make_tuple(to_py(reports), headroom);
+    });
   });
   m.def("step_end", [](int64_t id, int64_t opt, bool lr_zero, double extra_s,
                        const std::vector<double>& group_lr) {
     return guarded(
-        [&] { return tb::handle_step_end(handle(id), opt, lr_zero, extra_s, group_lr); });
+        [&] { return to_py(tb::handle_step_end(handle(id), opt, lr_zero, extra_s, group_lr)); });
   });
   // Note [One orchestration]: the drivers.
   m.def(
@@ -123,6 +135,6 @@ PYBIND11_MODULE(_trainsan_hot, m) {
       },
       "trainsan::measure_custom_grad_or_throw: CustomGradResult dicts; fn's exceptions propagate");
   m.def("gradients_cleared", [](int64_t id, int64_t opt) {
-    return guarded([&] { return tb::handle_gradients_cleared(handle(id), opt); });
+    return guarded([&] { return to_py(tb::handle_gradients_cleared(handle(id), opt)); });
   });
 }
