@@ -212,7 +212,7 @@ TEST(FactsDict, FindingByName) {
   EXPECT_TRUE(*back.reproduces);
   d.insert_or_assign("value", std::string("big"));
   const std::string e = error_of<c10::TypeError>([&] { facts_from_dict<trainsan::Finding>(d); });
-  EXPECT_TRUE(has(e, "Finding.value: expected float or None, got str")) << e;
+  EXPECT_TRUE(has(e, "Finding.value: expected float, got str")) << e;
 }
 
 TEST(FactsDict, SanitizerArgsByName) {
