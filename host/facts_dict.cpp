@@ -16,9 +16,11 @@
 #include "trainsan/checkpoint.h"
 #include "trainsan/checkpoint_facts.h"
 #include "trainsan/determinism_facts.h"
+#include "trainsan/finding.h"
 #include "trainsan/precision_facts.h"
 #include "trainsan/replica_facts.h"
 #include "trainsan/resume_facts.h"
+#include "trainsan/sanitizer.h"
 
 namespace trainsan {
 namespace {
@@ -279,7 +281,8 @@ FactsDict facts_defaults(const std::string& name) {
   return defaults_of<ResumeFacts, CheckpointFacts, CheckpointNonfinite, CheckpointContents,
                      OptimizerTensors, ModelTensors, Provenance, ModuleOrigin, RangeOverflow,
                      ReplicaReport, ReplicaMismatch, SavedTensorChange, CustomGradResult,
-                     RerunFacts, ForeignBackward, RerunOutcome>(name);
+                     RerunFacts, ForeignBackward, RerunOutcome, Finding, SanitizerArgs, Parameter,
+                     ModuleInfo, Setup>(name);
 }
 
 #define TRAINSAN_FACTS_DICT(T)                     \
@@ -301,6 +304,11 @@ TRAINSAN_FACTS_DICT(CustomGradResult)
 TRAINSAN_FACTS_DICT(RerunFacts)
 TRAINSAN_FACTS_DICT(ForeignBackward)
 TRAINSAN_FACTS_DICT(RerunOutcome)
+TRAINSAN_FACTS_DICT(Finding)
+TRAINSAN_FACTS_DICT(SanitizerArgs)
+TRAINSAN_FACTS_DICT(Parameter)
+TRAINSAN_FACTS_DICT(ModuleInfo)
+TRAINSAN_FACTS_DICT(Setup)
 #undef TRAINSAN_FACTS_DICT
 
 }  // namespace trainsan

@@ -30,6 +30,24 @@ namespace {
 
 std::string opt_number(const std::optional<double>& v) { return v ? json_number(*v) : "null"; }
 
+// A Finding field's JSON value (finding.def): an empty string and an absent optional are null.
+void put_json(std::ostream& os, const std::string& s) {
+  os << (s.empty() ? "null" : json_escape(s));
+}
+void put_json(std::ostream& os, int64_t v) { os << v; }
+void put_json(std::ostream& os, const std::optional<double>& v) { os << opt_number(v); }
+void put_json(std::ostream& os, const std::optional<bool>& v) {
+  os << (!v ? "null" : *v ? "true" : "false");
+}
+template <class T>
+bool absent(const T& /*v*/) {
+  return false;
+}
+template <class T>
+bool absent(const std::optional<T>& v) {
+  return !v.has_value();
+}
+
 // A measured time: four significant digits are all it has.
 std::string short_number(double v) {
   if (!std::isfinite(v)) return "null";
@@ -230,10 +248,16 @@ bool TraceWriter::wants_tensors(int64_t step) const {
 
 void TraceWriter::finding(const Finding& f) {
   std::ostringstream os;
-  os << "{\"type\":\"finding\",\"kind\":" << json_escape(f.kind) << ",\"step\":" << f.step
-     << ",\"severity\":" << json_escape(f.severity)
-     << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
-     << ",\"message\":" << json_escape(f.message) << ",\"value\":" << opt_number(f.value) << "}";
+  os << "{\"type\":\"finding\"";
+  // finding.def's rows with a record key, in its order.
+#define TRAINSAN_FINDING(type, name, init, record, summary, doc) \
+  if constexpr (sizeof(record) > 1) {                            \
+    os << ",\"" record "\":";                                    \
+    put_json(os, f.name);                                        \
+  }
+#include "trainsan/finding.def"
+#undef TRAINSAN_FINDING
+  os << "}";
   line(os.str());
   if (!is_open() || opts_.trace_tensors == "global") return;
   // Note [Bounded trace]: the rows of the steps before it, oldest first, and rows in the next
@@ -357,11 +381,19 @@ void TraceWriter::summary(int64_t steps, int64_t amp_skips, double overhead_s,
   os << "},\"unique_findings\":[";
   sep = "";
   for (const auto& f : findings) {
-    os << sep << "{\"kind\":" << json_escape(f.kind)
-       << ",\"tensor\":" << (f.tensor.empty() ? "null" : json_escape(f.tensor))
-       << ",\"first_step\":" << f.step << ",\"last_step\":" << f.last_step
-       << ",\"count\":" << f.count;
-    if (f.reproduces) os << ",\"reproduces\":" << (*f.reproduces ? "true" : "false");
+    os << sep << "{";
+    // finding.def's rows with a summary key, in its order; an absent optional is left out.
+    const char* comma = "";
+#define TRAINSAN_FINDING(type, name, init, record, summary, doc) \
+  if constexpr (sizeof(summary) > 1) {                           \
+    if (!absent(f.name)) {                                       \
+      os << comma << "\"" summary "\":";                         \
+      put_json(os, f.name);                                      \
+      comma = ",";                                               \
+    }                                                            \
+  }
+#include "trainsan/finding.def"
+#undef TRAINSAN_FINDING
     os << "}";
     sep = ",";
   }

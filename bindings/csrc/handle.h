@@ -29,20 +29,14 @@
 
 namespace trainsan::bindings {
 
-// A finding as a TorchScript-friendly tuple:
-// (kind, step, severity, tensor, message, value (NaN: none), count, last_step, reproduces (-1:
-// none, 0, 1: Note [Re-run attribution])).
-using FindingTuple = std::tuple<std::string, int64_t, std::string, std::string, std::string, double,
-                                int64_t, int64_t, int64_t>;
-// A reported finding: the tuple and the policy's answer (trainsan::Action as an int).
-using Report = std::tuple<FindingTuple, int64_t>;
+// A reported finding: the finding by field name (Note [Facts by name]: facts_to_dict<Finding>,
+// its table finding.def) and the policy's answer (trainsan::Action as an int).
+using Report = std::tuple<trainsan::FactsDict, int64_t>;
 using Reports = std::vector<Report>;
 // What the gatherers ask at a training forward (Note [Gatherers]): the step, the saved-tensor
 // check's step, and whether a re-run, a recompute check, the precision headroom and overflow
 // provenance are due (DUE_* in _hooks.py).
 using DueFields = std::tuple<int64_t, int64_t, bool, bool, bool, bool>;
-
-FindingTuple to_tuple(const trainsan::Finding& f);
 
 // torch.classes.trainsan.Sanitizer. Each event returns the findings reported at that event with
 // the policy's answer, which Python maps to TrainingBugError / warnings.warn.
@@ -51,14 +45,9 @@ struct SanitizerHandle : torch::CustomClassHolder {
   std::unique_ptr<trainsan::Sanitizer> san;
   int64_t id = 0;  // in the hot path's registry while alive (Note [Hot path])
 
-  SanitizerHandle(std::vector<std::string> names, std::vector<at::Tensor> params,
-                  std::vector<int64_t> opt_index, c10::Dict<std::string, std::string> options,
-                  std::string header_extra, std::vector<std::string> module_names,
-                  std::vector<std::string> module_types, std::vector<std::string> skip_frames,
-                  bool manual, std::vector<int64_t> group_index,
-                  std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
-                  std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
-                  std::vector<int64_t> external);
+  // Built from one dict by name: facts_from_dict<trainsan::SanitizerArgs> (the parameters, the
+  // options, Setup's table; Note [Facts by name]).
+  explicit SanitizerHandle(const trainsan::FactsDict& args);
   ~SanitizerHandle() override;
   SanitizerHandle(const SanitizerHandle&) = delete;
   SanitizerHandle& operator=(const SanitizerHandle&) = delete;

@@ -66,7 +66,8 @@ auto guarded(F&& f) -> decltype(f()) {
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-// A facts struct's fields by name (Note [Facts by name]) as a Python dict: scalar fields only.
+// A facts struct's fields by name (Note [Facts by name]) as a Python dict: scalar fields only (a
+// Finding's, a CustomGradResult's).
 py::dict to_py(const trainsan::FactsDict& d) {
   py::dict out;
   for (const auto& kv : d) {
@@ -90,6 +91,13 @@ py::dict to_py(const trainsan::FactsDict& d) {
   return out;
 }
 
+// Reports as the torch.classes methods return them: a list of (finding dict, action).
+py::list to_py(const tb::Reports& reports) {
+  py::list out;
+  for (const auto& [finding, action] : reports) out.append(py::make_tuple(to_py(finding), action));
+  return out;
+}
+
 using Rows = std::optional<std::vector<std::vector<int64_t>>>;
 
 // rank_desync's engine for one replica set of the Python package (Note [Replica comparison],
@@ -99,7 +107,7 @@ std::unique_ptr<trainsan::ReplicaEngine> make_replica_engine(
     int64_t id, c10::intrusive_ptr<c10d::ProcessGroup> group, std::string context,
     std::vector<int64_t> ranks, int64_t rank, std::vector<int64_t> members,
     std::vector<std::string> member_names, std::vector<std::string> buffer_names, int64_t digest,
-    double timeout_s, std::string switch_off, std::function<void(tb::Reports)> apply,
+    double timeout_s, std::string switch_off, std::function<void(py::list)> apply,
     std::function<bool(int64_t)> gone,
     std::function<std::tuple<std::vector<int64_t>, std::vector<std::string>>(int64_t, bool)>
         missing,
@@ -123,8 +131,8 @@ std::unique_ptr<trainsan::ReplicaEngine> make_replica_engine(
     const py::gil_scoped_acquire gil;
     tb::SanitizerHandle& h = handle(id);
     h.san->replica_report(r);
-    tb::Reports reports = h.take();
-    if (apply) apply(std::move(reports));
+    const tb::Reports reports = h.take();
+    if (apply) apply(to_py(reports));
   };
   steps.gone = std::move(gone);
   if (missing) {
@@ -148,24 +156,28 @@ PYBIND11_MODULE(_trainsan_hot, m) {
            double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
            bool loader_worker_init, std::vector<at::Tensor> batch) {
           return guarded([&] {
-            return tb::handle_forward(handle(id), training, std::move(inputs),
-                                      std::move(module_eval), extra_s, data_restarts, loader_pass,
-                                      loader_workers, loader_worker_init, std::move(batch));
+            auto [reports, due] = tb::handle_forward(
+                handle(id), training, std::move(inputs), std::move(module_eval), extra_s,
+                data_restarts, loader_pass, loader_workers, loader_worker_init, std::move(batch));
+            return py::make_tuple(to_py(reports), due);
           });
         });
   m.def("loss", [](int64_t id, const at::Tensor& loss) {
-    return guarded([&] { return tb::handle_loss(handle(id), loss); });
+    return guarded([&] { return to_py(tb::handle_loss(handle(id), loss)); });
   });
   m.def("loss_reaches", [](int64_t id, const at::Tensor& loss) {
     return guarded([&] { return tb::handle_loss_reaches(handle(id), loss); });
   });
   m.def("step_begin", [](int64_t id, int64_t opt, bool grads_final) {
-    return guarded([&] { return tb::handle_step_begin(handle(id), opt, grads_final); });
+    return guarded([&] {
+      auto [reports, headroom] = tb::handle_step_begin(handle(id), opt, grads_final);
+      return py::make_tuple(to_py(reports), headroom);
+    });
   });
   m.def("step_end", [](int64_t id, int64_t opt, bool lr_zero, double extra_s,
                        const std::vector<double>& group_lr) {
     return guarded(
-        [&] { return tb::handle_step_end(handle(id), opt, lr_zero, extra_s, group_lr); });
+        [&] { return to_py(tb::handle_step_end(handle(id), opt, lr_zero, extra_s, group_lr)); });
   });
   // Note [One orchestration]: the drivers.
   m.def(
@@ -193,7 +205,7 @@ PYBIND11_MODULE(_trainsan_hot, m) {
                       std::vector<int64_t> ranks, int64_t rank, std::vector<int64_t> members,
                       std::vector<std::string> member_names, std::vector<std::string> buffer_names,
                       int64_t digest, double timeout_s, std::string switch_off,
-                      std::function<void(tb::Reports)> apply, std::function<bool(int64_t)> gone,
+                      std::function<void(py::list)> apply, std::function<bool(int64_t)> gone,
                       std::function<std::tuple<std::vector<int64_t>, std::vector<std::string>>(
                           int64_t, bool)>
                           missing,
@@ -283,12 +295,12 @@ PYBIND11_MODULE(_trainsan_hot, m) {
             const py::gil_scoped_release no_gil;
             h.san->rerun(how, step);
           }
-          return h.take();
+          return to_py(h.take());
         });
       },
       "trainsan::Sanitizer::rerun(StepRerun, step): the reports; the callables' exceptions "
       "propagate");
   m.def("gradients_cleared", [](int64_t id, int64_t opt) {
-    return guarded([&] { return tb::handle_gradients_cleared(handle(id), opt); });
+    return guarded([&] { return to_py(tb::handle_gradients_cleared(handle(id), opt)); });
   });
 }

@@ -7,7 +7,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <mutex>
 #include <unordered_map>
 
@@ -20,13 +19,13 @@ namespace {
 using trainsan::facts_from_dict;
 using FactsDict = trainsan::FactsDict;
 
-// A checkpoint outside a sanitizer: per finding (kind, severity, tensor, message), and its facts.
-std::tuple<std::vector<std::string>, FactsDict> check_checkpoint_op(FactsDict contents) {
+// A checkpoint outside a sanitizer: its findings by field name (finding.def), and its facts.
+std::tuple<std::vector<FactsDict>, FactsDict> check_checkpoint_op(FactsDict contents) {
   const trainsan::CheckpointFacts facts =
       trainsan::checkpoint_facts(facts_from_dict<trainsan::CheckpointContents>(contents));
-  std::vector<std::string> out;
+  std::vector<FactsDict> out;
   for (const trainsan::Finding& f : trainsan::judge_checkpoint(facts)) {
-    out.insert(out.end(), {f.kind, f.severity, f.tensor, f.message});
+    out.push_back(trainsan::facts_to_dict(f));
   }
   return {out, trainsan::facts_to_dict(facts)};
 }
@@ -102,12 +101,6 @@ options_op() {
 
 namespace trainsan::bindings {
 
-FindingTuple to_tuple(const trainsan::Finding& f) {
-  return {f.kind,   f.step,      f.severity,
-          f.tensor, f.message,   f.value ? *f.value : std::nan(""),
-          f.count,  f.last_step, f.reproduces ? static_cast<int64_t>(*f.reproduces) : -1};
-}
-
 namespace {
 // The live handles by id (Note [Hot path]); the events are called with the GIL held, the mutex is
 // for a handle released on another thread.
@@ -125,60 +118,15 @@ SanitizerHandle* handle_by_id(int64_t id) {
   return it == registry().end() ? nullptr : it->second;
 }
 
-SanitizerHandle::SanitizerHandle(
-    std::vector<std::string> names, std::vector<at::Tensor> params, std::vector<int64_t> opt_index,
-    c10::Dict<std::string, std::string> options, std::string header_extra,
-    std::vector<std::string> module_names, std::vector<std::string> module_types,
-    std::vector<std::string> skip_frames, bool manual, std::vector<int64_t> group_index,
-    std::vector<int64_t> module_param_counts, std::vector<int64_t> module_params,
-    std::vector<int64_t> module_mode_dependent, std::vector<at::Tensor> locals,
-    std::vector<int64_t> external) {
-  TORCH_CHECK_VALUE(names.size() == params.size() && names.size() == opt_index.size(),
-                    "Sanitizer: names, params and opt_index differ in length");
-  TORCH_CHECK_VALUE(module_names.size() == module_types.size(),
-                    "Sanitizer: module_names and module_types differ in length");
+SanitizerHandle::SanitizerHandle(const trainsan::FactsDict& args) {
+  trainsan::SanitizerArgs a = facts_from_dict<trainsan::SanitizerArgs>(args);
   trainsan::Options o;
-  for (const auto& kv : options) o.set(kv.key(), kv.value());
-  std::vector<trainsan::Parameter> ps;
-  TORCH_CHECK_VALUE(group_index.empty() || group_index.size() == names.size(),
-                    "Sanitizer: names and group_index differ in length");
-  for (size_t i = 0; i < names.size(); ++i) {
-    ps.push_back({names[i], params[i], opt_index[i], group_index.empty() ? 0 : group_index[i],
-                  i < locals.size() ? locals[i] : at::Tensor(),
-                  i < external.size() && external[i] != 0});
-  }
-  trainsan::Setup setup;
-  setup.gathers_events = true;  // the Python package gathers the event and python kinds' facts
-  // Per module: how many of module_params (flat) are its own, and whether its forward depends on
-  // train/eval (empty: none given, every module mode-dependent and tied to every parameter).
-  TORCH_CHECK_VALUE(
-      module_param_counts.empty() || module_param_counts.size() == module_names.size(),
-      "Sanitizer: module_names and module_param_counts differ in length");
-  TORCH_CHECK_VALUE(
-      module_mode_dependent.empty() || module_mode_dependent.size() == module_names.size(),
-      "Sanitizer: module_names and module_mode_dependent differ in length");
-  size_t flat = 0;
-  for (size_t k = 0; k < module_names.size(); ++k) {
-    setup.mode_modules.push_back({module_names[k], module_types[k]});
-    if (!module_param_counts.empty()) {
-      const auto c = static_cast<size_t>(module_param_counts[k]);
-      TORCH_CHECK_VALUE(flat + c <= module_params.size(),
-                        "Sanitizer: module_params is shorter than module_param_counts say");
-      setup.mode_modules.back().params.assign(module_params.begin() + flat,
-                                              module_params.begin() + flat + c);
-      flat += c;
-    }
-    if (!module_mode_dependent.empty()) {
-      setup.mode_modules.back().mode_dependent = module_mode_dependent[k] != 0;
-    }
-  }
-  setup.manual = manual;
-  setup.header_extra = std::move(header_extra);
-  setup.skip_frames = std::move(skip_frames);
-  setup.report = [this](const trainsan::Finding& f, trainsan::Action a) {
-    reports.emplace_back(to_tuple(f), static_cast<int64_t>(a));
+  for (const auto& [name, value] : a.options) o.set(name, value);
+  a.setup.report = [this](const trainsan::Finding& f, trainsan::Action act) {
+    reports.emplace_back(trainsan::facts_to_dict(f), static_cast<int64_t>(act));
   };
-  san = std::make_unique<trainsan::Sanitizer>(std::move(ps), std::move(o), std::move(setup));
+  san = std::make_unique<trainsan::Sanitizer>(std::move(a.parameters), std::move(o),
+                                              std::move(a.setup));
   const std::lock_guard<std::mutex> lock(registry_mutex);
   id = next_id++;
   registry()[id] = this;
@@ -253,10 +201,8 @@ Reports handle_gradients_cleared(SanitizerHandle& h, int64_t opt) {
 namespace {
 
 namespace tb = trainsan::bindings;
-using trainsan::bindings::FindingTuple;
 using trainsan::bindings::Report;
 using trainsan::bindings::SanitizerHandle;
-using trainsan::bindings::to_tuple;
 
 // Note [Lean rows]: the every-step pass over detached views of `tensors` (one device).
 trainsan::PackedStats lean_stats(at::TensorList tensors) {
@@ -302,11 +248,10 @@ TORCH_LIBRARY(trainsan, m) {
 
   using H = c10::intrusive_ptr<SanitizerHandle>;
   m.class_<SanitizerHandle>("Sanitizer")
-      .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
-                       c10::Dict<std::string, std::string>, std::string, std::vector<std::string>,
-                       std::vector<std::string>, std::vector<std::string>, bool,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      // Built from one dict by name (Note [Facts by name]): SanitizerArgs's table — parameters,
+      // options, then Setup's rows (setup.def); the Python package starts from
+      // facts_defaults("SanitizerArgs").
+      .def(torch::init<FactsDict>())
       // The per-step events (Note [Hot path]): the same functions as the _trainsan_hot module's.
       .def("hot_id", [](const H& h) { return h->id; })
       .def(
@@ -361,28 +306,19 @@ TORCH_LIBRARY(trainsan, m) {
              h->san->rerun_result(facts_from_dict<trainsan::RerunFacts>(facts));
              return h->take();
            })
-      // Re-run attribution (Note [Re-run attribution]): the finding of `kind` and `tensor` at
-      // `step`, new at the event just reported.
+      // Re-run attribution (Note [Re-run attribution]): a finding new at the event just
+      // reported, as that event reported it (its dict, finding.def).
       .def("rerun_needed",
-           [](const H& h, std::string kind, std::string tensor, int64_t step, std::string sev) {
-             trainsan::Finding f;
-             f.kind = std::move(kind);
-             f.tensor = std::move(tensor);
-             f.step = step;
-             f.severity = std::move(sev);
-             return static_cast<int64_t>(h->san->rerun_needed(f));
+           [](const H& h, FactsDict finding) {
+             return static_cast<int64_t>(
+                 h->san->rerun_needed(facts_from_dict<trainsan::Finding>(finding)));
            })
       .def("attribute",
-           [](const H& h, std::string kind, std::string tensor, int64_t step, std::string sev,
-              std::optional<FactsDict> outcome) {
-             trainsan::Finding f;
-             f.kind = std::move(kind);
-             f.tensor = std::move(tensor);
-             f.step = step;
-             f.severity = std::move(sev);
+           [](const H& h, FactsDict finding, std::optional<FactsDict> outcome) {
              std::optional<trainsan::RerunOutcome> o;
              if (outcome) o = facts_from_dict<trainsan::RerunOutcome>(*outcome);
-             return to_tuple(h->san->attribute(f, o));
+             return trainsan::facts_to_dict(
+                 h->san->attribute(facts_from_dict<trainsan::Finding>(finding), o));
            })
       .def("inputs_seen",
            [](const H& h, std::vector<int64_t> hashes, std::vector<int64_t> steps) {
@@ -481,8 +417,8 @@ TORCH_LIBRARY(trainsan, m) {
            })
       .def("findings",
            [](const H& h) {
-             std::vector<FindingTuple> out;
-             for (const auto& f : h->san->findings()) out.push_back(to_tuple(f));
+             std::vector<FactsDict> out;
+             for (const auto& f : h->san->findings()) out.push_back(trainsan::facts_to_dict(f));
              return out;
            })
       .def("hooks_installed", [](const H& h) { return h->san->hooks_installed(); })

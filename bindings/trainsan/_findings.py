@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 class TrainingBugError(RuntimeError):
     """Raised by policy ``"raise"`` on the first error-severity finding; ``.finding`` has it."""
@@ -57,20 +57,15 @@ class Finding:
     reproduces: Optional[bool] = None
 
     @classmethod
-    def _from_tuple(cls, t: Sequence[Any]) -> "Finding":
-        kind, step, severity, tensor, message, value, count, last_step = t[:8]
-        reproduces = t[8] if len(t) > 8 else -1
-        return cls(
-            kind=kind,
-            step=int(step),
-            severity=severity,
-            tensor=tensor or None,
-            message=message,
-            value=None if value is None or math.isnan(value) else float(value),
-            count=int(count),
-            last_step=int(last_step),
-            reproduces=None if reproduces is None or reproduces < 0 else bool(reproduces),
-        )
+    def _from_dict(cls, d: Mapping[str, Any]) -> "Finding":
+        """A finding as the op library reports it: trainsan::Finding by field name (its table,
+        host/include/trainsan/finding.def, has this class's fields; tests/python/
+        test_facts_seam.py pins them). An empty tensor is None, and so is a NaN value."""
+        f = dict(d)
+        value = f.get("value")
+        f["tensor"] = f.get("tensor") or None
+        f["value"] = None if value is None or math.isnan(value) else float(value)
+        return cls(**f)
 
     def __str__(self) -> str:
         return f"[{self.severity}] {self.message}"

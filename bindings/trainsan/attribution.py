@@ -126,12 +126,12 @@ class Attribution(Gatherer):
         out = []
         for t, action in reports:
             try:
-                key = (t[0], t[3], int(t[1]), t[2])  # kind, tensor, step, severity
-                need = int(handle.rerun_needed(*key))
+                # The finding by field name (finding.def), as the event reported it.
+                need = int(handle.rerun_needed(t))
                 if need == 1:
-                    t = handle.attribute(*key, self._rerun(key[2], key[0]))
+                    t = handle.attribute(t, self._rerun(int(t["step"]), t["kind"]))
                 elif need == 2:
-                    t = handle.attribute(*key, None)
+                    t = handle.attribute(t, None)
             except Exception:  # noqa: BLE001 - the finding goes out as it was
                 pass
             out.append((t, action))

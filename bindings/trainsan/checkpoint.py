@@ -285,9 +285,8 @@ def check_checkpoint(obj_or_path: Any, model: Optional[torch.nn.Module] = None,
                         f"{type(optimizer).__name__}")
     g = Gathered(_native.record("CheckpointContents", source=source, load_error=err)) if err \
         else gather(obj, source, model, [optimizer] if optimizer is not None else [])
-    flat, facts = torch.ops.trainsan.check_checkpoint(g.fields())
-    findings = [Finding(kind=flat[i], step=0, severity=flat[i + 1], tensor=flat[i + 2] or None,
-                        message=flat[i + 3]) for i in range(0, len(flat), 4)]
+    found, facts = torch.ops.trainsan.check_checkpoint(g.fields())
+    findings = [Finding._from_dict(d) for d in found]
     return CheckpointReport(source=source, findings=findings, facts=dict(facts), gathered=g)
 
 

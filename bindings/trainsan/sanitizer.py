@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _compile, _patches
+from . import _compile, _native, _patches
 from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded, _group_lrs,
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
@@ -129,23 +129,25 @@ class Sanitizer:
             index.setdefault(id(p), k)
         modes = _mode_modules(model, index)
         self._sensitive = [m for _, m, _, _ in modes]
-        self._ctx.handle = torch.classes.trainsan.Sanitizer(
-            names,
-            params,
-            opt_index,
-            opts,
-            _header_extra(model),
-            [n for n, _, _, _ in modes],
-            [type(m).__name__ for _, m, _, _ in modes],
-            _skip_frames(),
-            not self._ctx.optimizers,
-            group_index,
-            [len(own) for _, _, own, _ in modes],
-            [i for _, _, own, _ in modes for i in own],
-            [int(dep) for _, _, _, dep in modes],
-            locals_,
-            external,
-        )
+        # One dict by name (Note [Facts by name]): trainsan::SanitizerArgs — the parameters, the
+        # options, and Setup's table (host/include/trainsan/setup.def).
+        self._ctx.handle = torch.classes.trainsan.Sanitizer(_native.facts(
+            "SanitizerArgs",
+            parameters=[
+                _native.record("Parameter", name=n, tensor=p, optimizer=o, group=g, local=lo,
+                               external_grad_hook=bool(ext))
+                for n, p, o, g, lo, ext in zip(names, params, opt_index, group_index, locals_,
+                                               external)],
+            options=list(opts.items()),
+            mode_modules=[
+                _native.record("ModuleInfo", name=n, type=type(m).__name__, params=list(own),
+                               mode_dependent=bool(dep))
+                for n, m, own, dep in modes],
+            manual=not self._ctx.optimizers,
+            header_extra=_header_extra(model),
+            skip_frames=_skip_frames(),
+            gathers_events=True,  # the package gathers the event and python kinds' facts
+        ))
         handle = self._ctx.handle
         trace_error = handle.take_trace_error()  # Note [Bounded trace]: told at attach
         if trace_error:
@@ -256,7 +258,7 @@ class Sanitizer:
                           f"({type(exc).__name__}: {exc}): this sanitizer checks nothing more",
                           TrainingBugWarning, stacklevel=_user_stacklevel())
             return
-        before = [Finding._from_tuple(t) for t in old.findings()]
+        before = [Finding._from_dict(t) for t in old.findings()]
         self._before = merge_findings(self._before, before)
         for key in _ADDITIVE:
             if key in counts:
@@ -286,9 +288,9 @@ class Sanitizer:
             return  # most events report nothing: no generator for them
         for t, action in attributed(self._ctx, reports):  # Note [Re-run attribution]
             if ACTIONS[action] == "raise":
-                raise TrainingBugError(Finding._from_tuple(t))
+                raise TrainingBugError(Finding._from_dict(t))
             if ACTIONS[action] == "warn":
-                warnings.warn(t[4], TrainingBugWarning, stacklevel=3)
+                warnings.warn(t["message"], TrainingBugWarning, stacklevel=3)
 
     @entry
     def _on_forward(self, module, args, kwargs):
@@ -564,7 +566,7 @@ class Sanitizer:
     @property
     def findings(self) -> list[Finding]:
         """Every distinct finding so far, each with its count."""
-        now = [Finding._from_tuple(t) for t in self._ctx.handle.findings()]
+        now = [Finding._from_dict(t) for t in self._ctx.handle.findings()]
         return merge_findings(self._before, now) if self._before else now
 
     @property

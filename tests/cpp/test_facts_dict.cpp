@@ -186,4 +186,89 @@ TEST(FactsDict, DefaultsByStructName) {
   EXPECT_TRUE(has(e, "no facts struct is named 'Resume'; there are ResumeFacts,")) << e;
 }
 
+// The last positional seams, by name: a Finding crosses as a dict (finding.def), and a sanitizer
+// is built from one (SanitizerArgs: parameters, options, Setup's table setup.def).
+TEST(FactsDict, FindingByName) {
+  trainsan::Finding f;
+  f.kind = "nonfinite_loss";
+  f.step = 3;
+  f.severity = "error";
+  f.message = "nonfinite_loss at step 3: the loss is NaN";
+  f.value = std::nan("");
+  f.last_step = 4;
+  FactsDict d = facts_to_dict(f);
+  std::vector<std::string> keys;
+  for (const auto& kv : d) keys.push_back(kv.key());
+  EXPECT_EQ(keys, (std::vector<std::string>{"kind", "step", "severity", "tensor", "message",
+                                            "value", "count", "last_step", "reproduces"}));
+  EXPECT_TRUE(d.at("reproduces").isNone());
+  EXPECT_TRUE(std::isnan(d.at("value").toDouble()));
+  d.insert_or_assign("reproduces", true);
+  const auto back = facts_from_dict<trainsan::Finding>(d);
+  EXPECT_EQ(back.kind, "nonfinite_loss");
+  EXPECT_EQ(back.count, 1);
+  EXPECT_EQ(back.last_step, 4);
+  ASSERT_TRUE(back.reproduces.has_value());
+  EXPECT_TRUE(*back.reproduces);
+  d.insert_or_assign("value", std::string("big"));
+  const std::string e = error_of<c10::TypeError>([&] { facts_from_dict<trainsan::Finding>(d); });
+  EXPECT_TRUE(has(e, "Finding.value: expected float, got str")) << e;
+}
+
+TEST(FactsDict, SanitizerArgsByName) {
+  // Setup's table holds its fields by name; report, rerun_step and binding are outside it.
+  std::vector<std::string> keys;
+  for (const auto& kv : facts_to_dict(trainsan::Setup{})) keys.push_back(kv.key());
+  EXPECT_EQ(keys, (std::vector<std::string>{"mode_modules", "manual", "header_extra", "skip_frames",
+                                            "buffers", "gathers_events"}));
+  // Flattened as the Python package sends it: the records' counts and "<name>.<k>.<field>".
+  const at::Tensor w = torch::zeros({3}, torch::requires_grad());
+  FactsDict d = trainsan::facts_defaults("SanitizerArgs");
+  d.insert_or_assign("parameters", int64_t{1});
+  for (const auto& kv : trainsan::facts_defaults("Parameter")) {
+    d.insert("parameters.0." + kv.key(), kv.value());
+  }
+  d.insert_or_assign("parameters.0.name", std::string("w"));
+  d.insert_or_assign("parameters.0.tensor", w);
+  d.insert_or_assign("parameters.0.group", int64_t{2});
+  d.insert_or_assign("mode_modules", int64_t{1});
+  for (const auto& kv : trainsan::facts_defaults("ModuleInfo")) {
+    d.insert("mode_modules.0." + kv.key(), kv.value());
+  }
+  d.insert_or_assign("mode_modules.0.name", std::string("drop"));
+  d.insert_or_assign("mode_modules.0.type", std::string("Dropout"));
+  c10::impl::GenericList options(c10::AnyType::get());
+  options.push_back(c10::ivalue::Tuple::create(std::string("policy"), std::string("record")));
+  d.insert_or_assign("options", options);
+  d.insert_or_assign("manual", true);
+  d.insert_or_assign("gathers_events", true);
+  auto args = facts_from_dict<trainsan::SanitizerArgs>(d);
+  ASSERT_EQ(args.parameters.size(), 1u);
+  EXPECT_EQ(args.parameters[0].name, "w");
+  EXPECT_TRUE(args.parameters[0].tensor.is_same(w));
+  EXPECT_EQ(args.parameters[0].group, 2);
+  EXPECT_FALSE(args.parameters[0].local.defined());
+  ASSERT_EQ(args.setup.mode_modules.size(), 1u);
+  EXPECT_EQ(args.setup.mode_modules[0].type, "Dropout");
+  EXPECT_TRUE(args.setup.mode_modules[0].mode_dependent);
+  EXPECT_TRUE(args.setup.manual && args.setup.gathers_events);
+  EXPECT_EQ(args.options, (std::vector<std::pair<std::string, std::string>>{{"policy", "record"}}));
+  // What a wrong dict is told.
+  FactsDict bad = d;
+  bad.insert("modules", int64_t{1});
+  std::string e = error_of<c10::ValueError>([&] { facts_from_dict<trainsan::SanitizerArgs>(bad); });
+  EXPECT_TRUE(has(e,
+                  "SanitizerArgs: unknown field 'modules' (the fields of SanitizerArgs are "
+                  "parameters, options, mode_modules, manual,"))
+      << e;
+  bad = d;
+  ASSERT_EQ(bad.erase("skip_frames"), 1u);
+  e = error_of<c10::ValueError>([&] { facts_from_dict<trainsan::SanitizerArgs>(bad); });
+  EXPECT_TRUE(has(e, "SanitizerArgs: missing field 'skip_frames' (list of str)")) << e;
+  bad = d;
+  bad.insert_or_assign("parameters.0.optimizer", std::string("adam"));
+  e = error_of<c10::TypeError>([&] { facts_from_dict<trainsan::SanitizerArgs>(bad); });
+  EXPECT_TRUE(has(e, "SanitizerArgs.parameters.0.optimizer: expected int, got str")) << e;
+}
+
 }  // namespace

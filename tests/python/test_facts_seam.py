@@ -5,6 +5,7 @@ table lacks, in C++ for a missing field or a value of another type."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -38,8 +39,8 @@ def test_records_flatten_and_empty_lists_cross_as_none():
 
 def test_cpp_names_the_struct_and_the_field():
     good = _native.facts("CheckpointContents", source="x")
-    flat, facts = torch.ops.trainsan.check_checkpoint(good)
-    assert flat == [] and facts["source"] == "x" and facts["nonfinite"] == []
+    found, facts = torch.ops.trainsan.check_checkpoint(good)
+    assert found == [] and facts["source"] == "x" and facts["nonfinite"] == []
     with pytest.raises(TypeError, match="CheckpointContents.part_ok: expected bool, got str"):
         torch.ops.trainsan.check_checkpoint({**good, "part_ok": "yes"})
     missing = dict(good)
@@ -63,7 +64,58 @@ def test_flattened_records_reach_the_rules():
         model=[{"state": [("w", w)], "trainable": [("w", w)]}],
         saved_optimizers=[{"path": "opt", "params": [],
                            "state": [[("exp_avg", torch.zeros(3, 4))]]}])
-    flat, facts = torch.ops.trainsan.check_checkpoint(contents)
+    found, facts = torch.ops.trainsan.check_checkpoint(contents)
     assert facts["model_found"] and facts["optimizer_with_state"] == 1
     assert facts["state_mismatched"] == ["exp_avg of parameter 0 (w): [3, 4], the parameter [4, 3]"]
-    assert flat[0] == "bad_checkpoint" and "does not fit its parameters" in flat[3]
+    assert found[0]["kind"] == "bad_checkpoint"
+    assert "does not fit its parameters" in found[0]["message"]
+
+
+# -- the last positional seams: a finding and the handle's construction, by name ----------------
+
+
+def test_a_finding_crosses_by_the_names_of_the_python_dataclass():
+    """trainsan::Finding's table (finding.def) and the Finding dataclass have the same fields in
+    the same order: a field added to the table needs its attribute here."""
+    assert list(_native.record("Finding")) == [f.name for f in dataclasses.fields(trainsan.Finding)]
+
+
+def _args(**setup):
+    w = torch.zeros(3, requires_grad=True)
+    return _native.facts(
+        "SanitizerArgs",
+        parameters=[_native.record("Parameter", name="w", tensor=w)],
+        options=[("policy", "record")], gathers_events=True, **setup)
+
+
+def test_the_handle_is_built_from_one_dict_and_reports_findings_by_name():
+    w = torch.zeros(3, requires_grad=True)
+    h = torch.classes.trainsan.Sanitizer(_native.facts(
+        "SanitizerArgs",
+        parameters=[_native.record("Parameter", name="w", tensor=w)],
+        options=[("policy", "record")], gathers_events=True,
+        mode_modules=[_native.record("ModuleInfo", name="drop", type="Dropout", params=[0])]))
+    reports = list(h.loss(torch.tensor(float("nan")))) + list(h.close())
+    assert [f["kind"] for f, _ in reports] == ["nonfinite_loss"]
+    (found,) = h.findings()
+    assert list(found) == list(_native.record("Finding"))
+    f = trainsan.Finding._from_dict(found)
+    assert (f.kind, f.step, f.tensor, f.reproduces, f.count) == ("nonfinite_loss", 0, None, None, 1)
+
+
+def test_a_wrong_handle_dict_is_named():
+    with pytest.raises(ValueError, match=r"SanitizerArgs: unknown field 'modules' \(the fields of "
+                                         r"SanitizerArgs are parameters, options, mode_modules"):
+        torch.classes.trainsan.Sanitizer({**_args(), "modules": None})
+    missing = _args()
+    del missing["manual"]
+    with pytest.raises(ValueError, match=r"SanitizerArgs: missing field 'manual' \(bool\): every "
+                                         r"field of the table is required"):
+        torch.classes.trainsan.Sanitizer(missing)
+    with pytest.raises(TypeError, match="SanitizerArgs.manual: expected bool, got str"):
+        torch.classes.trainsan.Sanitizer({**_args(), "manual": "yes"})
+    with pytest.raises(TypeError, match="SanitizerArgs.parameters.0.optimizer: expected int, got "
+                                        "str"):
+        torch.classes.trainsan.Sanitizer({**_args(), "parameters.0.optimizer": "adam"})
+    with pytest.raises(TypeError, match="Setup has no field 'modules'"):
+        _native.record("Setup", modules=[])

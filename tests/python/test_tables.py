@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import trainsan
+from trainsan import _native
 
 # docs/architecture.md ("Public contracts"; the kinds: docs/kinds.md): the kinds implemented today
 # and their severities.
@@ -122,10 +123,9 @@ def test_unknown_check_is_rejected_by_cpp_too():
     """The op library's own validation, below the Python attach() check."""
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="unknown check 'nondeterministic'"):
-        torch.classes.trainsan.Sanitizer(
-            ["p"], [p], [0], {"check.nondeterministic": "true"}, "", [], [], [], False, [0], [],
-            [], [], [], []
-        )
+        torch.classes.trainsan.Sanitizer(_native.facts(
+            "SanitizerArgs", parameters=[_native.record("Parameter", name="p", tensor=p)],
+            options=[("check.nondeterministic", "true")]))
 
 
 def test_trace_header_options_cover_both_tables(tmp_path):

@@ -21,6 +21,9 @@ namespace trainsan {
 //   dict: the count of records under the field's name (an optional one: 0 or 1) and record k's
 //   fields under "<name>.<k>.<field>" — what the Python package sends, since a dict whose
 //   values differ in type cannot cross nested.
+// The sanitizer handle itself is built from one such dict (SanitizerArgs, sanitizer.h: the
+// parameters, the options, and Setup's table setup.def), and each finding crosses back as one
+// (Finding, finding.def).
 // Every field must be present; an unknown key, a missing field or a value of another type is a
 // c10::ValueError / c10::TypeError naming the struct and the field
 // ("ResumeFacts.lr: expected float, got str").
@@ -30,7 +33,9 @@ using FactsDict = c10::Dict<std::string, c10::IValue>;
 /// The facts struct T from its fields by name. Implemented for ResumeFacts, CheckpointFacts
 /// (with CheckpointNonfinite), CheckpointContents (with OptimizerTensors, ModelTensors),
 /// Provenance (with ModuleOrigin, RangeOverflow), ReplicaReport (with ReplicaMismatch),
-/// SavedTensorChange, CustomGradResult, RerunFacts and ForeignBackward.
+/// SavedTensorChange, CustomGradResult, RerunFacts, ForeignBackward and RerunOutcome; Finding
+/// (finding.def: each finding the handle reports, and one given back to it); SanitizerArgs (with
+/// Parameter, ModuleInfo and Setup: the dict the handle is built from).
 template <typename T>
 T facts_from_dict(const FactsDict& fields);
 

@@ -1,4 +1,5 @@
-// A finding, the error the "raise" policy throws, and how a policy answers a finding.
+// A finding (its fields: the table finding.def), the error the "raise" policy throws, and how a
+// policy answers a finding. Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -7,22 +8,26 @@
 #include <string>
 #include <utility>
 
+#include "trainsan/facts_table.h"
+
 namespace trainsan {
 
-/// One thing TrainSan found wrong (docs/kinds.md).
+/// One thing TrainSan found wrong (docs/kinds.md); its fields: finding.def.
 struct Finding {
-  std::string kind;             ///< e.g. "stale_grad" (kinds.def)
-  int64_t step = 0;             ///< 0-based optimizer step where it was first seen
-  std::string severity;         ///< "error" or "warning"
-  std::string tensor;           ///< parameter or module name; empty when none
-  std::string message;          ///< what is wrong and what to look at
-  std::optional<double> value;  ///< the figure that triggered it
-  int64_t count = 1;            ///< how often it occurred (a repeat is reported once, then counted)
-  int64_t last_step = 0;        ///< the step of the latest occurrence
-  /// Re-run attribution (Options::rerun_on_error; Note [Re-run attribution]): whether a re-run of
-  /// the step from its saved inputs, RNG state and buffers reproduced it (a data or code fault)
-  /// or not (a transient fault); empty when not re-run or the re-run could not tell.
-  std::optional<bool> reproduces;
+#define TRAINSAN_FINDING(type, name, init, record, summary, doc) type name = init;
+#include "trainsan/finding.def"
+#undef TRAINSAN_FINDING
+};
+
+template <>
+struct FactTable<Finding> {
+  static constexpr const char* kName = "Finding";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FINDING(type, name, init, record, summary, doc) f(#name, s.name);
+#include "trainsan/finding.def"
+#undef TRAINSAN_FINDING
+  }
 };
 
 /// Raised by the "raise" policy on the first error-severity finding.

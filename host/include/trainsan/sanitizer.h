@@ -18,6 +18,7 @@
 #include "trainsan/coverage.h"
 #include "trainsan/custom_grad.h"
 #include "trainsan/determinism_facts.h"
+#include "trainsan/facts_table.h"
 #include "trainsan/finding.h"
 #include "trainsan/kinds.h"
 #include "trainsan/options.h"
@@ -32,32 +33,19 @@ class Module;
 
 namespace trainsan {
 
-/// A parameter to watch, and the optimizer that steps it.
+/// A parameter to watch, and the optimizer that steps it (fields: parameter.def).
 struct Parameter {
-  std::string name;
-  at::Tensor tensor;
-  int64_t optimizer = 0;  ///< index of its optimizer; -1 when it is in none
-  int64_t group = 0;      ///< index of its param group in that optimizer (step_end's group_lr)
-  /// This process's share of a distributed parameter (DTensor: its _local_tensor), whose
-  /// elements the statistics pass reads; undefined: `tensor` itself. Updated by local_shards().
-  at::Tensor local = {};
-  /// The caller reports each gradient accumulation itself (grad_accumulated): FSDP2 assigns the
-  /// reduce-scattered gradient of its sharded parameters; their AccumulateGrad never runs.
-  bool external_grad_hook = false;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/parameter.def"
+#undef TRAINSAN_FACT
 };
 
-/// A module named in findings (eval_mode, nonfinite_activation, no_grad_leak).
+/// A module named in findings (eval_mode, nonfinite_activation, no_grad_leak; fields:
+/// module_info.def).
 struct ModuleInfo {
-  std::string name;
-  std::string type;  ///< e.g. "Dropout"; may be empty
-  /// Setup::mode_modules only: indices (into the parameter list) of the parameters whose training
-  /// makes this module's eval mode matter (eval_mode) — its own, or for a parameterless module
-  /// (Dropout) those of its nearest ancestor with parameters. Empty: every parameter.
-  std::vector<int64_t> params = {};
-  /// Setup::mode_modules only: its forward depends on train/eval (Dropout, BatchNorm tracking
-  /// running statistics, RNN dropout), so a no_grad forward in train mode runs it as in training
-  /// (a no_grad_leak warning). False for a module registered only because it has parameters.
-  bool mode_dependent = true;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/module_info.def"
+#undef TRAINSAN_FACT
 };
 
 /// What the sanitizer reads of a model and its optimizers at each forward and step:
@@ -127,24 +115,14 @@ struct StepRerun {
   std::function<RerunRecord()> run;
 };
 
-/// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop.
+/// How the sanitizer is wired into a loop; the defaults suit a LibTorch loop. Its fields by name
+/// (mode_modules, manual, header_extra, skip_frames, buffers, gathers_events, documented there):
+/// the table setup.def, through which the Python package's handle fills it (SanitizerArgs).
 struct Setup {
-  /// Modules whose train/eval mode matters, registered once (Note [Mode rules]): those whose
-  /// forward depends on it (Dropout, BatchNorm, ...) and those with parameters (a module in eval
-  /// mode whose parameters train: eval_mode); ForwardFacts::module_eval says which of them are in
-  /// eval mode at each forward.
-  std::vector<ModuleInfo> mode_modules;
-  /// No optimizer: parameters are updated by hand and steps are delimited by training forwards.
-  bool manual = false;
-  /// JSON object body (without braces) added to the trace header, e.g. provenance fields.
-  std::string header_extra;
-  /// Source lookup for op-audit findings: Python frames whose file path contains one of these
-  /// are skipped (the framework's and TrainSan's own files), so the finding names the user's line.
-  std::vector<std::string> skip_frames;
-  /// Buffers the model's forward updates (BatchNorm's running statistics, counters): on a step
-  /// due for a re-run, begin_step() copies them, and each re-run (Sanitizer::rerun) starts from
-  /// those values and leaves the buffers as it found them.
-  std::vector<at::Tensor> buffers;
+#define TRAINSAN_FACT TRAINSAN_FACT_FIELD
+#include "trainsan/setup.def"
+#undef TRAINSAN_FACT
+  // Not in the table (a callable or a C++ object cannot cross a dict): set from C++ only.
   /// Receives each new finding with the policy's answer, at the end of the event that found it.
   /// Default: throw TrainingBugError for Action::kRaise (after completing the trace's summary, so
   /// that an uncaught error still leaves a complete trace), print to stderr for Action::kWarn.
@@ -164,10 +142,61 @@ struct Setup {
   std::function<RerunRecord()> rerun_step;
   /// The model and optimizers, read at each forward and step (trainsan::attach sets it).
   std::shared_ptr<ModelBinding> binding;
-  /// The caller gathers the facts of the `event` and `python` kinds of kinds.def itself (the
-  /// Python package): coverage() leaves them out of `unchecked`. False for a C++ program, whose
-  /// coverage names each of those kinds that never had its event.
-  bool gathers_events = false;
+};
+
+/// A Sanitizer's constructor arguments as one struct, by name: the dict the Python package's
+/// handle (torch.classes.trainsan.Sanitizer, bindings/csrc/ops.cpp) is built from (Note [Facts by
+/// name]: facts_from_dict<SanitizerArgs>). Its table: `parameters` and `options`, then the rows
+/// of Setup's table (setup.def) at the same level.
+struct SanitizerArgs {
+  std::vector<Parameter> parameters;
+  /// Options::set(name, value) for each, in order.
+  std::vector<std::pair<std::string, std::string>> options;
+  Setup setup;
+};
+
+template <>
+struct FactTable<Parameter> {
+  static constexpr const char* kName = "Parameter";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/parameter.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<ModuleInfo> {
+  static constexpr const char* kName = "ModuleInfo";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/module_info.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<Setup> {
+  static constexpr const char* kName = "Setup";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+#define TRAINSAN_FACT TRAINSAN_FACT_VISIT
+#include "trainsan/setup.def"
+#undef TRAINSAN_FACT
+  }
+};
+
+template <>
+struct FactTable<SanitizerArgs> {
+  static constexpr const char* kName = "SanitizerArgs";
+  template <class S, class F>
+  static void each(S& s, F&& f) {
+    f("parameters", s.parameters);
+    f("options", s.options);
+    FactTable<Setup>::each(s.setup, f);
+  }
 };
 
 /// Facts of one forward of the model. Grad mode and autocast are read by the sanitizer itself.
