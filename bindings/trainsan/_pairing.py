@@ -125,6 +125,22 @@ def _holders(ids: set) -> list:
     return [m for _, m in sorted(some, key=lambda t: -t[0])]
 
 
+def _call_kwargs(module: torch.nn.Module) -> dict:
+    """The keyword arguments of the call of `module` under way (a process-wide forward pre-hook
+    gets the positional ones only): read from Module._call_impl's frame, where they are a local
+    (HF Trainer, skorch and trl call model(**batch), so its first step's inputs are fingerprinted
+    too). {} where that frame is not found."""
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            break
+        if f.f_code.co_name in ("inner", "_call_impl") and f.f_locals.get("self") is module:
+            kwargs = f.f_locals.get("kwargs")
+            return dict(kwargs) if isinstance(kwargs, dict) else {}
+        f = f.f_back
+    return {}
+
+
 class _Roots(torch.nn.Module):
     """Several root modules trained by one optimizer, as one model for one sanitizer: its
     children are the roots, named by the script's variables. It has no forward(): the outermost
@@ -298,7 +314,7 @@ class Pairer:
                 # no optimizer in the script: a loop updating p.data by hand (manual mode)
                 san = self._attach(model, [], None)
                 if san is not None and model is module:
-                    san.training_forward(*args)
+                    san.training_forward(*args, **_call_kwargs(module))
             return  # the script has optimizers, none of them for this module; or eval mode
         held = set().union(*(_held(o) for o in opts))
         if held <= {id(p) for p in model.parameters()}:
@@ -315,7 +331,7 @@ class Pairer:
             # The sanitizer's own pre-hook was registered during this call and is not called for
             # it: report the forward (for a torch.compile wrapper the hook traced inside does).
             # Under no_grad too: a training forward without gradients (no_grad_leak).
-            san.training_forward(*args)
+            san.training_forward(*args, **_call_kwargs(module))
         elif san is not None and RootlessForwards.needed(model):
             san.training_forward(*args)  # this call was the first of its submodules' calls
 

@@ -543,12 +543,13 @@ class Sanitizer:
 
     # -- public API -----------------------------------------------------------------------------
 
-    def training_forward(self, *inputs: Any) -> None:
+    def training_forward(self, *inputs: Any, **kwinputs: Any) -> None:
         """Report a training forward that does not go through the attached module's __call__
         (Lightning calls ``training_step`` as a method, and a step may call a submodule): what
-        the module's forward pre-hook does, with `inputs` as the forward's inputs (for
-        duplicate_batch). Grad mode and the modules' train/eval modes are read now."""
-        self._on_forward(self._ctx.model, inputs, {})
+        the module's forward pre-hook does, with `inputs` and `kwinputs` as the forward's
+        positional and keyword inputs (for duplicate_batch). Grad mode and the modules'
+        train/eval modes are read now."""
+        self._on_forward(self._ctx.model, inputs, kwinputs)
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Check a loss (``nonfinite_loss``, ``loss_spike``, ``trivial_loss``) and return it
