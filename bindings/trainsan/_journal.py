@@ -46,11 +46,26 @@ class CkptInfo:
     iters_before: int = 0
 
 
-_loaded: list = []  # [(fingerprints of the dicts in it, CkptInfo)], newest last
+# [(fingerprints of the dicts in it, ids of the tensors of its state dicts, CkptInfo)], newest
+# last. A state dict handed to load_state_dict may be a copy of the checkpoint's (timm's
+# clean_state_dict strips 'module.' into a new dict; a rename loop): the same tensor objects
+# under other keys, found by the tensors' identity (Note [Load journal]).
+_loaded: list = []
 
 
 def _fp(d: Mapping) -> tuple:
     return (id(d), len(d), next(iter(d), None))
+
+
+def _tensors(d: Mapping, n: int = 4) -> list:
+    """The first `n` tensor values of a state dict (none for another mapping)."""
+    out = []
+    for v in d.values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+            if len(out) == n:
+                break
+    return out
 
 
 def _remember(obj: Any) -> None:
@@ -58,12 +73,15 @@ def _remember(obj: Any) -> None:
         return
     info = CkptInfo()
     fps = set()
+    tids: dict = {}  # id -> weakref: a tensor freed since cannot be matched by a reused id
     progress = []
 
     def walk(o: Any, depth: int) -> None:
         if depth > 3 or not isinstance(o, Mapping):
             return
         fps.add(_fp(o))
+        for t in _tensors(o):
+            tids[id(t)] = weakref.ref(t)
         if "state" in o and "param_groups" in o:
             if o.get("state"):
                 info.has_optimizer_state = True
@@ -90,7 +108,7 @@ def _remember(obj: Any) -> None:
     info.progress = ", ".join(progress)
     info.epoch, info.step, info.step_key, info.loader_key = _position.counters(obj)
     info.iters_before = _position.serial()
-    _loaded.append((fps, info))
+    _loaded.append((fps, tids, info))
     del _loaded[:-_REMEMBERED]
 
 
@@ -98,8 +116,13 @@ def _lookup(sd: Any) -> Optional[CkptInfo]:
     if not isinstance(sd, Mapping):
         return None
     fp = _fp(sd)
-    for fps, info in reversed(_loaded):
+    for fps, _, info in reversed(_loaded):
         if fp in fps:
+            return info
+    # A copy of one of its state dicts: all of the copy's first tensors are the checkpoint's.
+    ts = _tensors(sd)
+    for _, tids, info in reversed(_loaded) if ts else ():
+        if all(id(t) in tids and tids[id(t)]() is t for t in ts):
             return info
     return None
 
@@ -144,7 +167,9 @@ def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
 # load is written to a process-wide journal: the last
 # _JOURNALED loads, in order, each holding only a weak reference to what was loaded and what the
 # load needs later — a model load keeps the CkptInfo of the torch.load it came from (looked up
-# at the load), the strict flag, the missing/unexpected key names and weak references to the
+# at the load: by the state dict's identity, or, for a copy of it — timm's clean_state_dict, a
+# rename loop — by the identity of its first tensors, the checkpoint's own and alive), the strict
+# flag, the missing/unexpected key names and weak references to the
 # parameters it wrote (a fine-tune's new head is none of them: Note [Resume checks]); never a
 # tensor or a state dict. The journal is the single source of the resume events: a load made
 # while sanitizers are open is journaled and handed at once to those it concerns (as before:

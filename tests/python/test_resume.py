@@ -296,3 +296,57 @@ def test_diff_names_targets_that_differ(tmp_path):
                else torch.tensor([1, 0, 1, 0]))
     out = diff(a, b)
     assert out.startswith("runs first differ in their data at step 2: the targets differ"), out
+
+
+def _cleaned(sd):
+    """timm's clean_state_dict: a new dict, 'module.' stripped, the same tensors."""
+    import collections
+
+    return collections.OrderedDict((k[7:] if k.startswith("module.") else k, v)
+                                   for k, v in sd.items())
+
+
+@pytest.mark.parametrize("load_opt", [False, True], ids=["optimizer_skipped", "full"])
+def test_a_cleaned_copy_of_the_state_dict_is_still_the_checkpoints(ckpt, load_opt):
+    """issue 37: the model's state handed over as a copy (timm's train.py, through its task
+    wrapper) is still known as the checkpoint's, by its tensors: a skipped optimizer state is
+    found, a full resume stays silent."""
+
+    class Task(nn.Module):  # the model inside a task wrapper, attached as the wrapper
+        def __init__(self):
+            super().__init__()
+            self.model = make_model()
+
+        def forward(self, x):
+            return self.model(x)
+
+    task = Task()
+    opt = torch.optim.AdamW(task.parameters(), lr=1e-3)
+    san = trainsan.attach(task, opt, policy="record")
+    ck = torch.load(ckpt[0])
+    task.model.load_state_dict(_cleaned(ck["model"]))
+    if load_opt:
+        opt.load_state_dict(ck["optimizer"])
+    train(task, opt, None, 2)
+    san.close()
+    errors = [f for f in found(san, "optimizer_reset") if f.severity == "error"]
+    if load_opt:
+        assert errors == [], [f.message for f in san.findings]
+    else:
+        assert [f.step for f in errors] == [0], [f.message for f in san.findings]
+        assert "optimizer 0 (AdamW) was not restored" in errors[0].message
+
+
+def test_a_state_dict_of_fresh_tensors_is_not_a_checkpoints(ckpt):
+    """The identity match needs the checkpoint's own tensor objects, alive: a state dict of new
+    tensors with equal values (a deep copy) is not taken for the checkpoint's."""
+    import copy
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    san = trainsan.attach(model, opt, policy="record")
+    ck = torch.load(ckpt[0])
+    model.load_state_dict(copy.deepcopy(ck["model"]))
+    train(model, opt, None, 2)
+    san.close()
+    assert found(san, "optimizer_reset") == [], [f.message for f in san.findings]
