@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from . import _compile
+from . import _compile, _optimizer_like
 from ._hooks import DUE_INPLACE
 from .recompute import RecomputeWatch
 
@@ -98,9 +98,7 @@ class Adopted(Gatherer):
     [Optimizer-like objects], _optimizer_like.py), released at close."""
 
     def __init__(self, optimizers: list) -> None:
-        from . import _optimizer_like
-
-        self._like, self._optimizers = _optimizer_like, []
+        self._optimizers = []
         for o in optimizers:
             _optimizer_like.adopt(o)
             self._optimizers.append(o)
@@ -108,7 +106,7 @@ class Adopted(Gatherer):
     def close(self) -> list:
         optimizers, self._optimizers = self._optimizers, []
         for o in optimizers:
-            self._like.release(o)
+            _optimizer_like.release(o)
         return []
 
 

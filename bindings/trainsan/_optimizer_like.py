@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import _journal, _patches
+
 _ATTRS = ("step", "zero_grad", "register_step_pre_hook", "register_step_post_hook",
           "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_trainsan_adopted")
 _MISSING = object()
@@ -81,8 +83,6 @@ def adopt(o: Any) -> None:
 
     @functools.wraps(cls_step)
     def step(*args, **kwargs):
-        from . import _journal
-
         _journal._on_any_step(o, args, kwargs)  # a load this step judges stops waiting
         for hook in list(pre.values()):
             result = hook(o, args, kwargs)
@@ -110,9 +110,7 @@ def adopt(o: Any) -> None:
     if callable(cls_zero):
         @functools.wraps(cls_zero)
         def zero_grad(*args, **kwargs):
-            from ._patches import _watchers
-
-            for ctx in list(_watchers.get(o, ())):
+            for ctx in list(_patches._watchers.get(o, ())):
                 ctx.gradients_cleared(o)
             return cls_zero(o, *args, **kwargs)
 
