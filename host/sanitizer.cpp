@@ -307,7 +307,8 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
         check_tensors(ok, "trainsan inputs");
         const int64_t at_step = step;
         const int64_t restarts = facts.data_restarts;
-        const LoaderView loader{facts.loader_pass, facts.loader_workers, facts.loader_worker_init};
+        const LoaderView loader{facts.loader_pass, facts.loader_workers, facts.loader_worker_init,
+                                facts.loader_batch};
         // Only the fingerprints are read (Note [Lean rows], kModeHash).
         readback.push(start_host_copy(fingerprint_stats_packed(ok)), ReadbackQueue::Phase::kInputs,
                       [this, at_step, restarts, loader](const PackedStats& host) {

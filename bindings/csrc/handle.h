@@ -64,7 +64,7 @@ std::tuple<Reports, DueFields> handle_forward(SanitizerHandle& h, bool training,
                                               std::vector<bool> module_eval, double extra_s,
                                               int64_t data_restarts, int64_t loader_pass,
                                               int64_t loader_workers, bool loader_worker_init,
-                                              std::vector<at::Tensor> batch);
+                                              std::vector<at::Tensor> batch, int64_t loader_batch);
 DueFields due_fields(const trainsan::Sanitizer& s);
 Reports handle_loss(SanitizerHandle& h, const at::Tensor& loss);
 int64_t handle_loss_reaches(SanitizerHandle& h, const at::Tensor& loss);

@@ -151,17 +151,17 @@ std::unique_ptr<trainsan::ReplicaEngine> make_replica_engine(
 
 PYBIND11_MODULE(_trainsan_hot, m) {
   m.doc() = "TrainSan's per-step events, bound without torch.classes (Note [Hot path]).";
-  m.def("forward",
-        [](int64_t id, bool training, std::vector<at::Tensor> inputs, std::vector<bool> module_eval,
-           double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
-           bool loader_worker_init, std::vector<at::Tensor> batch) {
-          return guarded([&] {
-            auto [reports, due] = tb::handle_forward(
-                handle(id), training, std::move(inputs), std::move(module_eval), extra_s,
-                data_restarts, loader_pass, loader_workers, loader_worker_init, std::move(batch));
-            return py::make_tuple(to_py(reports), due);
-          });
-        });
+  m.def("forward", [](int64_t id, bool training, std::vector<at::Tensor> inputs,
+                      std::vector<bool> module_eval, double extra_s, int64_t data_restarts,
+                      int64_t loader_pass, int64_t loader_workers, bool loader_worker_init,
+                      std::vector<at::Tensor> batch, int64_t loader_batch) {
+    return guarded([&] {
+      auto [reports, due] = tb::handle_forward(
+          handle(id), training, std::move(inputs), std::move(module_eval), extra_s, data_restarts,
+          loader_pass, loader_workers, loader_worker_init, std::move(batch), loader_batch);
+      return py::make_tuple(to_py(reports), due);
+    });
+  });
   m.def("loss", [](int64_t id, const at::Tensor& loss) {
     return guarded([&] { return to_py(tb::handle_loss(handle(id), loss)); });
   });

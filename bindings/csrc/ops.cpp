@@ -154,7 +154,7 @@ std::tuple<Reports, DueFields> handle_forward(SanitizerHandle& h, bool training,
                                               std::vector<bool> module_eval, double extra_s,
                                               int64_t data_restarts, int64_t loader_pass,
                                               int64_t loader_workers, bool loader_worker_init,
-                                              std::vector<at::Tensor> batch) {
+                                              std::vector<at::Tensor> batch, int64_t loader_batch) {
   h.san->add_overhead(extra_s);
   trainsan::ForwardFacts f;
   f.training = training;
@@ -165,6 +165,7 @@ std::tuple<Reports, DueFields> handle_forward(SanitizerHandle& h, bool training,
   f.loader_workers = loader_workers;
   f.loader_worker_init = loader_worker_init;
   f.batch = std::move(batch);
+  f.loader_batch = loader_batch;
   h.san->forward(f);
   return std::make_tuple(h.take(), due_fields(*h.san));
 }
@@ -258,10 +259,10 @@ TORCH_LIBRARY(trainsan, m) {
           "forward",
           [](const H& h, bool training, std::vector<at::Tensor> inputs, c10::List<bool> module_eval,
              double extra_s, int64_t data_restarts, int64_t loader_pass, int64_t loader_workers,
-             bool loader_worker_init, std::vector<at::Tensor> batch) {
+             bool loader_worker_init, std::vector<at::Tensor> batch, int64_t loader_batch) {
             return tb::handle_forward(*h, training, std::move(inputs), module_eval.vec(), extra_s,
                                       data_restarts, loader_pass, loader_workers,
-                                      loader_worker_init, std::move(batch));
+                                      loader_worker_init, std::move(batch), loader_batch);
           })
       .def("gradients_cleared",
            [](const H& h, int64_t opt) { return tb::handle_gradients_cleared(*h, opt); })

@@ -157,9 +157,11 @@ _data_restarts = [0]
 # gets a serial number, and the latest batch a loader yielded is described to the next training
 # forward (only to it): [its pass, the loader's num_workers, whether it has a worker_init_fn,
 # weak references to its uint8/int8/int16 tensors (label_dtype, Note [Label dtype] in
-# host/audit/labels.cpp)].
+# host/audit/labels.cpp), a sampled fingerprint of it (Note [Ignored batches] in
+# host/checks/inputs.cpp; 0: not read)].
 _loader_passes = [0]
-_loader_last: list = [-1, 0, False, []]
+_loader_last: list = [-1, 0, False, [], 0]
+_SAMPLED = 64  # elements of a batch's first tensor read for its sampled fingerprint
 _SMALL_INTS = (torch.uint8, torch.int8, torch.int16)
 
 
@@ -177,13 +179,59 @@ def _small_ints(obj: Any, out: list, depth: int = 0) -> list:
     return out
 
 
+def _first_tensor(obj: Any, depth: int = 0) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if depth < 2 and isinstance(obj, (list, tuple)):
+        items = obj[:16]
+    elif depth < 2 and isinstance(obj, dict):
+        items = list(obj.values())[:16]
+    else:
+        return None
+    for o in items:
+        t = _first_tensor(o, depth + 1)
+        if t is not None:
+            return t
+    return None
+
+
+def _sampled_fingerprint(batch: Any) -> int:
+    """A fingerprint of a batch from _SAMPLED evenly spaced elements of its first tensor (their
+    bits, its shape and dtype), read only where that tensor is a dense one on the CPU (as a loader
+    yields it: no device sync); 0 otherwise (Note [Ignored batches] in host/checks/inputs.cpp)."""
+    import zlib
+
+    t = _first_tensor(batch)
+    if t is None or t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0 or \
+            t.is_complex() or not t.is_contiguous():
+        return 0
+    with torch.no_grad():
+        flat = t.detach().view(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLED, flat.numel())).long()
+        bits = flat[idx].contiguous().view(torch.uint8).numpy().tobytes()
+    h = zlib.crc32(bits, zlib.crc32(repr((tuple(t.shape), t.dtype)).encode()))
+    return h or 1
+
+
 def take_loader_facts() -> tuple:
-    """(pass, num_workers, worker_init_fn given, small-integer tensors) of the latest batch, once:
-    a training forward takes them, and the next one without a new batch gets (-1, 0, False, [])
-    (a loop that does not fetch a batch per step is not judged by a loader it used before)."""
-    p, workers, init, refs = _loader_last
-    _loader_last[:] = [-1, 0, False, []]
-    return p, workers, init, [t for t in (r() for r in refs) if t is not None]
+    """(pass, num_workers, worker_init_fn given, small-integer tensors, sampled fingerprint) of the
+    latest batch, once: a training forward takes them, and the next one without a new batch gets
+    (-1, 0, False, [], 0) (a loop that does not fetch a batch per step is not judged by a loader
+    it used before)."""
+    p, workers, init, refs, sampled = _loader_last
+    _loader_last[:] = [-1, 0, False, [], 0]
+    return p, workers, init, [t for t in (r() for r in refs) if t is not None], sampled
+
+
+def _number_pass(loader, it) -> None:
+    """A new pass over `loader` (Note [Repeated batches]): its serial number and workers, on the
+    iterator, for the batches it yields."""
+    try:
+        _loader_passes[0] += 1
+        it._trainsan_pass = (_loader_passes[0], int(loader.num_workers),
+                             loader.worker_init_fn is not None)
+    except Exception:  # noqa: BLE001 - bookkeeping never fails the loop
+        pass
 
 
 def _loader_iteration() -> list:
@@ -193,9 +241,13 @@ def _loader_iteration() -> list:
     orig_iter, orig_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
 
     def __iter__(self):
-        if not _loader_patch.held("attach"):  # the load journal's alone: the data position
+        if not _loader_patch.held("attach"):
+            # The launcher's or the load journal's alone: the data position, and the pass's
+            # numbering (the launcher attaches at the first forward, after the loop's iterator
+            # was made: its batches are that sanitizer's, Note [Ignored batches]).
             it = orig_iter(self)
             _position.iterated(self, it)
+            _number_pass(self, it)
             return it
         try:
             st = _loader_yielded.get(self)
@@ -214,11 +266,9 @@ def _loader_iteration() -> list:
             st = [0]
             _loader_yielded[self] = st
             it._trainsan_yielded = st
-            _loader_passes[0] += 1
-            it._trainsan_pass = (_loader_passes[0], int(self.num_workers),
-                                 self.worker_init_fn is not None)
         except Exception:
             pass
+        _number_pass(self, it)
         return it
 
     def __next__(self):
@@ -229,7 +279,7 @@ def _loader_iteration() -> list:
         facts = self.__dict__.get("_trainsan_pass")
         if facts is not None:
             try:
-                _loader_last[:] = [*facts, _small_ints(out, [])]
+                _loader_last[:] = [*facts, _small_ints(out, []), _sampled_fingerprint(out)]
             except Exception:  # noqa: BLE001 - bookkeeping never fails the loop
                 pass
         return out

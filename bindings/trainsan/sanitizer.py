@@ -303,14 +303,15 @@ class Sanitizer:
             self._ctx.last_train_forward = _forward_clock[0]
         inputs = _flat_tensors(args, []) + _flat_tensors(kwargs, []) if training else []
         module_eval = [not m.training for m in self._sensitive]
-        lpass, workers, init, batch = (take_loader_facts() if training and torch.is_grad_enabled()
-                                       else (-1, 0, False, []))
+        lpass, workers, init, batch, sampled = (
+            take_loader_facts() if training and torch.is_grad_enabled()
+            else (-1, 0, False, [], 0))
         # The forward's reports, and what the members ask at a training forward (the handle's
         # due(), Sanitizer._due_flag) in the same call.
         t1 = time.perf_counter()  # the C++ event times itself (Note [Own time])
         found, due = self._ctx.hot.forward(
             training, inputs, module_eval, self._take_overhead() + (t1 - t0), _data_restarts[0],
-            lpass, workers, init, batch
+            lpass, workers, init, batch, sampled
         )
         t0 = time.perf_counter()
         train = training and torch.is_grad_enabled()

@@ -58,6 +58,7 @@ namespace {
 constexpr int64_t kReplaySteps = 3;
 constexpr size_t kRecent = 8;
 constexpr size_t kSeenCap = size_t{1} << 20;
+constexpr int64_t kIgnoredSteps = 2;  // Note [Ignored batches]
 }  // namespace
 
 void InputsCheck::on_resume(int64_t step) {
@@ -70,6 +71,35 @@ void InputsCheck::seed(const std::vector<uint64_t>& hashes, const std::vector<in
     if (!seen_.emplace(hashes[k], steps[k]).second) repeated_ = true;
   }
   on_resume(0);
+}
+
+// Note [Ignored batches]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A loop that fetches its loader's batch and then trains on another one: a Lightning
+// training_step that uses a fixed batch, `for batch in loader:` around a step on a batch kept
+// from before, a tensor the forward reads instead of the one it was given. The loader yields a new
+// batch every step, the model sees the same inputs every step. The Python package gives, with
+// each training forward, a sampled fingerprint of the batch a DataLoader yielded since the
+// previous one (ForwardFacts::loader_batch: 64 evenly spaced elements of its first tensor, read
+// on the host, so only where that tensor is on the CPU, as a loader yields it). The rule: at
+// kIgnoredSteps consecutive steps the inputs' fingerprint equals the previous step's while the
+// loader's batches differ — duplicate_batch, an error. A full-batch fit or an overfit-one-batch
+// loop without a loader (nothing yielded: 0) and one whose loader yields the same batch again
+// (a loader over one batch) stay silent, as do inputs that change.
+void InputsCheck::ignored(uint64_t hash, int64_t step, const LoaderView& loader) {
+  const bool same_inputs = last_hash_ && *last_hash_ == hash;
+  const bool new_batch = loader.batch != 0 && last_batch_ != 0 && loader.batch != last_batch_;
+  ignored_in_row_ = same_inputs && new_batch ? ignored_in_row_ + 1 : 0;
+  last_batch_ = loader.batch;
+  if (ignored_in_row_ != kIgnoredSteps) return;
+  sink_.add(Kind::duplicate_batch, "",
+            "the training forward received exactly the same inputs (bit for bit) at the last " +
+                std::to_string(kIgnoredSteps + 1) +
+                " steps while the DataLoader yielded a different batch before each — the step "
+                "uses another batch than the one its loader yielded (a training_step or loop body "
+                "that trains on a fixed or kept batch, a forward that reads a stored tensor "
+                "instead of its argument); pass the batch the loader yields to the model",
+            static_cast<double>(kIgnoredSteps + 1), step, Severity::kError);
 }
 
 void InputsCheck::repeated(uint64_t hash, int64_t step, const LoaderView& loader) {
@@ -145,6 +175,7 @@ void InputsCheck::on_inputs(uint64_t hash, int64_t step, int64_t restarts,
     repeated_ = true;  // the data repeats by design (before any resume)
   }
 
+  ignored(hash, step, loader);
   const bool stuck = last_hash_ && *last_hash_ == hash && (restarts > last_restarts_ || advancing_);
   if (!stuck) repeated(hash, step, loader);
   if (last_hash_ && *last_hash_ == hash) {

@@ -11,6 +11,9 @@ struct LoaderView {
   int64_t pass = -1;  ///< serial number of the data loader pass; -1: unknown
   int64_t workers = 0;
   bool worker_init = false;
+  /// A sampled fingerprint of the batch a loader yielded since the previous training forward
+  /// (ForwardFacts::loader_batch; 0: none, or not readable on the host). Note [Ignored batches].
+  int64_t batch = 0;
 };
 
 class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data], Note [Repeated batches])
@@ -43,6 +46,11 @@ class InputsCheck {  // inputs.cpp: duplicate_batch (Note [Stuck data], Note [Re
   std::deque<std::pair<uint64_t, int64_t>> recent_;
   int64_t pass_ = -1;
   int64_t pass_repeats_ = 0;  // steps of this pass whose batch equals one of its recent ones
+  // Note [Ignored batches]: the previous step's loader batch, and consecutive steps whose inputs
+  // stayed the same while their loader batches changed.
+  int64_t last_batch_ = 0;
+  int64_t ignored_in_row_ = 0;
+  void ignored(uint64_t hash, int64_t step, const LoaderView& loader);
 };
 
 }  // namespace trainsan::host

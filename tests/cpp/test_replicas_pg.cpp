@@ -115,6 +115,20 @@ int in_child(const std::function<void()>& fn, const std::string& err) {
   return pid;
 }
 
+// Waits for the child `pid`, killed if still running at `deadline`; its wait status.
+int wait_child(pid_t pid, std::chrono::steady_clock::time_point deadline) {
+  int st = 0;
+  while (waitpid(pid, &st, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return st;
+}
+
 struct Outcome {
   std::vector<int> status;
   std::vector<std::string> out;
@@ -136,15 +150,7 @@ Outcome run_ranks(Scenario sc) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   o.status.assign(2, -1);
   for (size_t r = 0; r < 2; ++r) {
-    int st = 0;
-    while (waitpid(pids[r], &st, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], &st, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const int st = wait_child(pids[r], deadline);
     o.status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 9;
     o.out.push_back(slurp(outs[r]) + slurp(errs[r]));
     std::remove(outs[r].c_str());
@@ -320,16 +326,7 @@ TEST(ReplicaEngine, InjectedStepsReplaceTheC10dOnes) {
                             errs[static_cast<size_t>(r)]));
   }
   for (size_t r = 0; r < 2; ++r) {
-    int st = 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (waitpid(pids[r], &st, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], &st, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const int st = wait_child(pids[r], std::chrono::steady_clock::now() + std::chrono::seconds(60));
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << ": " << slurp(errs[r]);
     EXPECT_EQ(slurp(outs[r]), "ok") << "rank " << r << ": " << slurp(errs[r]);
     std::remove(outs[r].c_str());

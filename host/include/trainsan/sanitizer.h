@@ -219,6 +219,9 @@ struct ForwardFacts {
   /// Other tensors of the step's batch than the forward's inputs (the labels a loader yields
   /// next to them): label_dtype compares a loss's class targets with the small-integer ones.
   std::vector<at::Tensor> batch = {};
+  /// A sampled fingerprint of the batch a data loader yielded since the previous training forward
+  /// (0: none, or unknown): duplicate_batch's Note [Ignored batches] (host/checks/inputs.cpp).
+  int64_t loader_batch = 0;
 };
 
 /// For a RecomputeRecord (Note [Recompute checks]; Sanitizer::recompute): the fingerprints
