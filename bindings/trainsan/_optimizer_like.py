@@ -48,8 +48,9 @@ def optimizer_like(o: Any) -> bool:
     """Whether `o` is an optimizer-like object (Note [Optimizer-like objects])."""
     if isinstance(o, (torch.optim.Optimizer, torch.nn.Module)) or isinstance(o, type):
         return False
-    if not callable(getattr(type(o), "step", None)):
-        return False
+    if not callable(getattr(type(o), "step", None)) or not isinstance(
+            getattr(o, "__dict__", None), dict):
+        return False  # (its hooks live in the instance's __dict__)
     try:
         groups = o.param_groups
     except Exception:  # noqa: BLE001 - a property that fails: not one
