@@ -143,15 +143,14 @@ def _mode_modules(model: torch.nn.Module, index: dict) -> list:
     return out
 
 
-def _flat_tensors(obj: Any, out: list, depth: int = 0) -> list:
+def _flat_tensors(obj: Any, out: list, depth: int = 0, items: Optional[int] = None) -> list:
+    """The tensors of `obj` (tuples, lists and dicts of them, two levels deep) in order, appended
+    to `out`; `items`: at most that many items of each container are looked at."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif depth < 2 and isinstance(obj, (list, tuple)):
-        for o in obj:
-            _flat_tensors(o, out, depth + 1)
-    elif depth < 2 and isinstance(obj, dict):
-        for o in obj.values():
-            _flat_tensors(o, out, depth + 1)
+    elif depth < 2 and isinstance(obj, (list, tuple, dict)):
+        for o in (list(obj.values()) if isinstance(obj, dict) else obj)[:items]:
+            _flat_tensors(o, out, depth + 1, items)
     return out
 
 

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _journal, _patches
 
 _ATTRS = ("step", "zero_grad", "register_step_pre_hook", "register_step_post_hook",
-          "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_trainsan_adopted")
+          "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _MISSING = object()
 _adopted: dict = {}  # id(obj) -> [obj, holds, {attribute: its own value before, or _MISSING}]
 
@@ -64,10 +64,6 @@ def inner_torch_optimizer(o: Any) -> Any:
     or None."""
     inner = o.__dict__.get("opt") if hasattr(o, "__dict__") else None
     return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
-def adopted(o: Any) -> bool:
-    return id(o) in _adopted and _adopted[id(o)][0] is o
 
 
 def adopt(o: Any) -> None:
@@ -106,13 +102,11 @@ def adopt(o: Any) -> None:
 
     own.update(step=step, register_step_pre_hook=register_step_pre_hook,
                register_step_post_hook=register_step_post_hook,
-               _optimizer_step_pre_hooks=pre, _optimizer_step_post_hooks=post,
-               _trainsan_adopted=True)
+               _optimizer_step_pre_hooks=pre, _optimizer_step_post_hooks=post)
     if callable(cls_zero):
         @functools.wraps(cls_zero)
         def zero_grad(*args, **kwargs):
-            for ctx in list(_patches._watchers.get(o, ())):
-                ctx.gradients_cleared(o)
+            _patches.clearing(o)
             return cls_zero(o, *args, **kwargs)
 
         own["zero_grad"] = zero_grad

@@ -9,11 +9,13 @@ entry (_compile.py) look sanitizers up in."""
 from __future__ import annotations
 
 import weakref
+import zlib
 from typing import Any, Optional
 
 import torch
 
 from . import _foreign, _position
+from ._facts import _flat_tensors
 from ._findings import TrainingBugError
 from ._registry import Patch
 
@@ -165,43 +167,21 @@ _SAMPLED = 64  # elements of a batch's first tensor read for its sampled fingerp
 _SMALL_INTS = (torch.uint8, torch.int8, torch.int16)
 
 
-def _small_ints(obj: Any, out: list, depth: int = 0) -> list:
-    """Weak references to the uint8/int8/int16 tensors of a batch (tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dtype in _SMALL_INTS:
-            out.append(weakref.ref(obj))
-    elif depth < 2 and isinstance(obj, (list, tuple)):
-        for o in obj[:16]:
-            _small_ints(o, out, depth + 1)
-    elif depth < 2 and isinstance(obj, dict):
-        for o in list(obj.values())[:16]:
-            _small_ints(o, out, depth + 1)
-    return out
+def _batch_tensors(obj: Any) -> list:
+    """The tensors of a batch, in order (two levels, 16 items of each container)."""
+    return _flat_tensors(obj, [], items=16)
 
 
-def _first_tensor(obj: Any, depth: int = 0) -> Optional[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if depth < 2 and isinstance(obj, (list, tuple)):
-        items = obj[:16]
-    elif depth < 2 and isinstance(obj, dict):
-        items = list(obj.values())[:16]
-    else:
-        return None
-    for o in items:
-        t = _first_tensor(o, depth + 1)
-        if t is not None:
-            return t
-    return None
+def _small_ints(tensors: list) -> list:
+    """Weak references to the uint8/int8/int16 tensors of a batch's."""
+    return [weakref.ref(t) for t in tensors if t.dtype in _SMALL_INTS]
 
 
-def _sampled_fingerprint(batch: Any) -> int:
+def _sampled_fingerprint(tensors: list) -> int:
     """A fingerprint of a batch from _SAMPLED evenly spaced elements of its first tensor (their
     bits, its shape and dtype), read only where that tensor is a dense one on the CPU (as a loader
     yields it: no device sync); 0 otherwise (Note [Ignored batches] in host/checks/inputs.cpp)."""
-    import zlib
-
-    t = _first_tensor(batch)
+    t = tensors[0] if tensors else None
     if t is None or t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0 or \
             t.is_complex() or not t.is_contiguous():
         return 0
@@ -279,7 +259,8 @@ def _loader_iteration() -> list:
         facts = self.__dict__.get("_trainsan_pass")
         if facts is not None:
             try:
-                _loader_last[:] = [*facts, _small_ints(out, []), _sampled_fingerprint(out)]
+                tensors = _batch_tensors(out)  # one walk for both
+                _loader_last[:] = [*facts, _small_ints(tensors), _sampled_fingerprint(tensors)]
             except Exception:  # noqa: BLE001 - bookkeeping never fails the loop
                 pass
         return out
@@ -298,12 +279,18 @@ _loader_patch = Patch(
 # nonfinite_grad of a loop that skips its step (Note [Discarded gradients], host/sanitizer.cpp):
 # Optimizer.zero_grad and Module.zero_grad tell the open sanitizers of that optimizer or model
 # that its gradients are about to be cleared, so that gradients no step used are read first.
+def clearing(opt) -> None:
+    """The gradients of optimizer `opt` are about to be cleared: its sanitizers are told (a torch
+    optimizer's zero_grad, and an optimizer-like one's: Note [Optimizer-like objects])."""
+    for ctx in list(_watchers.get(opt, ())):
+        ctx.gradients_cleared(opt)
+
+
 def _zero_grad() -> list:
     orig_opt, orig_mod = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
 
     def opt_zero_grad(self, *args, **kwargs):
-        for ctx in list(_watchers.get(self, ())):
-            ctx.gradients_cleared(self)
+        clearing(self)
         return orig_opt(self, *args, **kwargs)
 
     def mod_zero_grad(self, *args, **kwargs):
