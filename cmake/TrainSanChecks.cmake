@@ -20,6 +20,7 @@ add_library(trainsan_checks STATIC
   "${PROJECT_SOURCE_DIR}/host/checks/checkpoint_facts.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/resume.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/resume_data.cpp"
+  "${PROJECT_SOURCE_DIR}/host/checks/resume_slots.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/determinism.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/accumulation.cpp"
   "${PROJECT_SOURCE_DIR}/host/checks/attribution.cpp"

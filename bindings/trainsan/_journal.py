@@ -103,6 +103,10 @@ def _remember(obj: Any) -> None:
                     v, bool) and v > 0:
                 progress.append(f"{k}={v}")
             walk(v, depth + 1)
+            if depth == 0 and isinstance(v, (list, tuple)):
+                # A list of optimizer states (Lightning's "optimizer_states"): found by identity
+                # for Note [Optimizer slots by name], and nothing else.
+                fps.update(_fp(x) for x in v[:16] if isinstance(x, Mapping) and "state" in x)
 
     walk(obj, 0)
     info.progress = ", ".join(progress)
@@ -217,6 +221,8 @@ class _Load:
     # model: optimizer -> its number of parameter groups when found to hold none of `params`
     unrelated: Any = None
     wrote: Any = None  # model: the parameters the load wrote (_resume_fit.written)
+    keys: tuple = ()  # model: the keys of the state dict it was given, in its order
+    groups: tuple = ()  # optimizer: the sizes of the saved state's parameter groups
 
 
 _journal: "collections.deque[_Load]" = collections.deque(maxlen=_JOURNALED)
@@ -305,7 +311,28 @@ def _model_load(module, state_dict, strict: bool, result) -> _Load:
         params=frozenset(id(p) for p in module.parameters()),
         unrelated=weakref.WeakKeyDictionary(),
         wrote=_resume_fit.written(module, () if checked else
-                                  tuple(getattr(result, "missing_keys", ()))))
+                                  tuple(getattr(result, "missing_keys", ()))),
+        keys=tuple(state_dict.keys()) if isinstance(state_dict, Mapping) else ())
+
+
+def _optimizer_load(opt, state_dict) -> _Load:
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    return _Load("optimizer", _weak(opt), info=_lookup(state_dict),
+                 groups=tuple(len(g.get("params") or ()) for g in groups if isinstance(g, Mapping))
+                 if isinstance(groups, (list, tuple)) else ())
+
+
+def model_load_of(info: Optional[CkptInfo], opt) -> Optional[_Load]:
+    """The latest journaled model load from the same torch.load as `info` into a module that holds
+    parameters of `opt` (Note [Optimizer slots by name]); None if none."""
+    if info is None:
+        return None
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    for e in reversed(_journal):
+        if e.kind == "model" and e.info is info and e.keys and e.ref is not None \
+                and e.ref() is not None and not ids.isdisjoint(e.params):
+            return e
+    return None
 
 
 def _deliver(e: _Load, san, replay: bool) -> None:
@@ -317,7 +344,7 @@ def _deliver(e: _Load, san, replay: bool) -> None:
             w.model_loaded(target, e, replay)
     elif e.kind == "optimizer":
         if target is not None:
-            w.optimizer_loaded(target)
+            w.optimizer_loaded(target, e)
     elif e.kind == "scheduler":
         opt = e.opt() if e.opt is not None else None
         if opt is not None:
@@ -373,7 +400,7 @@ def _patches() -> list:
 
     def optim_load(self, state_dict):
         out = orig_optim(self, state_dict)
-        entry = _record(lambda: _Load("optimizer", _weak(self)))
+        entry = _record(lambda: _optimizer_load(self, state_dict))
         for san in _watching() if entry is not None else ():
             _guard(_deliver, entry, san, False)
         return out

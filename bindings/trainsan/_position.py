@@ -166,9 +166,51 @@ def _layout(module: torch.nn.Module, state_dict: Mapping, missing: tuple,
     keys = list(state_dict.keys())
     last_taken = max((k for k, n in enumerate(keys) if n not in unexp), default=-1)
     mp = [m for m in own if m in miss and m in params]
+    gap, place = {}, {}  # missing key -> loaded keys before it; loaded key -> its index
+    for n in own:
+        if n in miss:
+            gap[n] = len(place)
+        else:
+            place[n] = len(place)
     return dict(
         missing=tuple(mp), missing_shapes=tuple(_shape(params[m]) for m in mp),
         missing_interior=tuple(pos[m] < last_loaded for m in mp),
+        missing_gap=tuple(gap[m] for m in mp),
         unexpected=tuple(k for k in keys if k in unexp),
         unexpected_shapes=tuple(_shape(state_dict[k]) for k in keys if k in unexp),
-        unexpected_interior=tuple(j < last_taken for j, k in enumerate(keys) if k in unexp))
+        unexpected_interior=tuple(j < last_taken for j, k in enumerate(keys) if k in unexp),
+        unexpected_gap=_places(keys, unexp, place),
+        unexpected_replaced=_replaced(module, [k for k in keys if k in unexp]))
+
+
+def _places(keys: list, unexp: set, place: dict) -> tuple:
+    """Per unexpected key (in the state dict's order): its place between the keys that loaded —
+    how many come before it in the model's order — where its loaded neighbours in the state dict
+    are neighbours in the model too; -1 where they are not (Note [Renamed layers])."""
+    before, prev = [], -1  # the model's index of the loaded key before each unexpected one
+    for k in keys:
+        if k in unexp:
+            before.append(prev)
+        else:
+            prev = place.get(k, -2)
+    after, nxt = [], len(place)  # ... and after it
+    for k in reversed(keys):
+        if k in unexp:
+            after.append(nxt)
+        else:
+            nxt = place.get(k, -2)
+    after.reverse()
+    return tuple(p + 1 if p >= -1 and q == p + 1 else -1 for p, q in zip(before, after))
+
+
+def _replaced(module: torch.nn.Module, keys: list) -> tuple:
+    """Per key: its module is still one of the model's and holds no parameter or buffer (the
+    old layer replaced by nn.Identity() on purpose; Note [Renamed layers])."""
+    mods = dict(module.named_modules())
+
+    def empty(path: str) -> bool:
+        m = mods.get(path) if path else None
+        return m is not None and next(m.parameters(), None) is None and next(
+            m.buffers(), None) is None
+
+    return tuple(empty(k.rpartition(".")[0]) for k in keys)

@@ -2,7 +2,8 @@
 host/checks/resume.cpp; the journal is _journal.py's, the other resume facts resume.py's): the
 facts that tell a fine-tune from a forgotten optimizer state — the parameters the model's load
 wrote, the checkpoint's optimizer states against this optimizer — and, at the first step after
-optimizer.load_state_dict, each parameter's restored moments against its gradient (MomentScale).
+optimizer.load_state_dict, each parameter's restored moments against its gradient (MomentScale)
+and its slot against the checkpoint's saved key order (Note [Optimizer slots by name]).
 Gathered once per load and once per first step after it; nothing runs at other steps."""
 
 from __future__ import annotations
@@ -83,6 +84,30 @@ def fine_tune_facts(opt: torch.optim.Optimizer, wrote: Optional[dict], optimizer
         if fitting:
             facts["checkpoint_state_params"] = max(s[2] for s in fitting)
     return facts
+
+
+@_never_fails(dict)
+def slot_facts(opt: torch.optim.Optimizer, module: torch.nn.Module, keys: tuple,
+               groups: tuple) -> dict:
+    """ResumeFacts of Note [Optimizer slots by name] (host/checks/resume_slots.cpp): `opt`'s
+    parameters by position, named as in `module` (the module the checkpoint's state dict was
+    loaded into, so its names are the state dict's: `module.` and `_orig_mod.` alike), against
+    `keys`, that state dict's keys in the saved order, and `groups`, the saved groups' sizes."""
+    named = list(module.named_parameters())
+    canon = {id(p): n for n, p in named}
+    alias = {n: canon.get(id(p)) for n, p in module.named_parameters(remove_duplicate=False)}
+    saved, seen = [], set()
+    for k in keys:
+        n = alias.get(k)
+        if n is not None and n not in seen:  # a parameter now; a tied one at its first key
+            seen.add(n)
+            saved.append(n)
+    slots = [p for g in opt.param_groups for p in g["params"]]
+    return dict(slot_params=[canon.get(id(p), "") for p in slots],
+                slot_shapes=["[" + ", ".join(str(d) for d in p.shape) + "]" for p in slots],
+                group_sizes=[len(g["params"]) for g in opt.param_groups],
+                saved_group_sizes=list(groups), saved_param_order=saved,
+                param_order=[n for n, _ in named])
 
 
 def _wrote(wrote: dict, p: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import _native, _position, _resume_fit
-from ._journal import CkptInfo, _guard, _Load
+from ._journal import CkptInfo, _guard, _Load, model_load_of
 from .checkpoint import state_mismatches
 
 
@@ -65,6 +65,7 @@ class ResumeWatch:
         self._pending: dict = {}  # optimizer index -> the model's load (_Load)
         self._moments_due: set = set()  # optimizer indices loaded, their moments not compared
         self._restored: set = set()  # optimizer indices restored while attached
+        self._opt_loads: dict = {}  # optimizer index -> its last load (_Load)
         self._sched_restored: set = set()
         self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
         # optimizer index -> its scheduler's epoch, seen at attach (Note [Loads before attach])
@@ -116,9 +117,12 @@ class ResumeWatch:
                    missing_params=[lay["missing"][k] for k in moved],
                    missing_shapes=[lay["missing_shapes"][k] for k in moved],
                    missing_interior=[lay["missing_interior"][k] for k in moved],
+                   missing_gap=[lay["missing_gap"][k] for k in moved],
                    unexpected_keys=list(lay.get("unexpected", ())),
                    unexpected_shapes=list(lay.get("unexpected_shapes", ())),
-                   unexpected_interior=list(lay.get("unexpected_interior", ())))
+                   unexpected_interior=list(lay.get("unexpected_interior", ())),
+                   unexpected_gap=list(lay.get("unexpected_gap", ())),
+                   unexpected_replaced=list(lay.get("unexpected_replaced", ())))
 
     def first_forward(self) -> None:
         """At a training forward: the first after a model load judges the data position."""
@@ -131,11 +135,12 @@ class ResumeWatch:
         if facts is not None:
             self._send(**facts)
 
-    def optimizer_loaded(self, opt) -> None:
+    def optimizer_loaded(self, opt, e: Optional[_Load] = None) -> None:
         k = self._index(opt)
         if k is None:
             return
         self._restored.add(k)
+        self._opt_loads[k] = e
         san = self._san()
         names = {id(p): n for n, p in san.model.named_parameters()}
         bad = state_mismatches(opt, names)
@@ -143,6 +148,16 @@ class ResumeWatch:
             self._send(moment=1, opt=k, optimizer_type=type(opt).__name__, state_mismatched=bad)
         else:
             self._moments_due.add(k)  # compared at its first step (Note [Resume checks])
+
+    def _slots(self, k: int, opt) -> dict:
+        """Note [Optimizer slots by name]: the optimizer's slots against the saved key order of
+        the model's load from the same checkpoint ({} where there is none)."""
+        e = self._opt_loads.pop(k, None)
+        model = model_load_of(e.info, opt) if e is not None and e.groups else None
+        module = model.ref() if model is not None else None
+        if module is None:
+            return {}
+        return _resume_fit.slot_facts(opt, module, model.keys, e.groups)
 
     def scheduler_loaded(self, opt) -> None:
         """A load of a scheduler of `opt`."""
@@ -185,8 +200,9 @@ class ResumeWatch:
             self._moments_due.discard(k)
             names = {id(p): n for n, p in san.model.named_parameters()}
             facts["moments"] = _resume_fit.moment_scales(opt, names)
+            facts.update(self._slots(k, opt))
         if info is None:
-            if facts.get("moments"):
+            if facts.get("moments") or facts.get("slot_params"):
                 self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, **facts)
             return
         facts.update(_resume_fit.fine_tune_facts(opt, e.wrote, info.optimizers))

@@ -65,7 +65,9 @@ namespace trainsan::host {
 // whose gradient scales are less than kMomentOff apart goes unseen (a language model's embedding
 // and output layer of one shape measure ~7x apart). The Python package gathers MomentScale before
 // the step; the LibTorch binding (Note [C++ resume]) judges after the step, whose update already
-// mixed the new gradient into the state, and gives none.
+// mixed the new gradient into the state, and gives none. Where the checkpoint holds the model's
+// state dict too, its key order names each saved slot whatever the scales (resume_slots.cpp:
+// Note [Optimizer slots by name], whose finding, where it has one, replaces this rule's).
 // At model.load_state_dict(strict=False): keys it dropped for parameters that are frozen or in
 // no optimizer stay at their initial values for good, and a state dict whose keys are the
 // model's under another prefix loaded nothing — bad_checkpoint (a new head that trains is
@@ -218,6 +220,7 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
         sink_.add(Kind::optimizer_reset, "", os.str(), f.lr, step,
                   jumped ? Severity::kError : Severity::kWarning);
       }
+      if (slots_moved(f, opt, step)) return;  // Note [Optimizer slots by name]
       std::string first;
       const std::vector<std::string> swapped = swapped_moments(f.moments, first);
       if (!swapped.empty()) {

@@ -1,5 +1,5 @@
 // ResumeCheck: a check family (Note [Checks as units], checks/check.h), its rules in
-// host/checks/resume.cpp (and resume_data.cpp). Torch-free.
+// host/checks/resume.cpp (and resume_data.cpp, resume_slots.cpp). Torch-free.
 #pragma once
 
 #include "checks/check.h"
@@ -15,6 +15,8 @@ class ResumeCheck {  // resume.cpp, resume_data.cpp: optimizer_reset, bad_checkp
  private:
   void renamed_layers(const ResumeFacts& f, int64_t step);  // resume_data.cpp
   void data_position(const ResumeFacts& f, int64_t step);   // resume_data.cpp
+  // resume_slots.cpp: state restored onto another parameter reported (true) or not
+  bool slots_moved(const ResumeFacts& f, const std::string& opt, int64_t step);
   FindingSink& sink_;
   [[maybe_unused]] const Options& opts_;  // no option yet
 };

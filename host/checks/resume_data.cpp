@@ -1,7 +1,9 @@
 // bad_checkpoint of a strict=False load that left renamed layers behind, and duplicate_batch of a
 // resume that does not restore the data position: the ResumeCheck rules of
 // Note [Renamed layers] and Note [Data position].
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checks/resume.h"
@@ -29,12 +31,33 @@ namespace trainsan::host {
 //    the head loaded around them; a PEFT-wrapped `q_proj.base_layer.weight` for the saved
 //    `q_proj.weight`), or their names end alike beyond the last component (`qkv.weight`: a
 //    module moved or renamed above its layers, wherever it sits).
+// A rename where neither holds — a top-level module renamed at the end of the model beside a new
+// layer (v2 adds a LayerNorm before the head and calls `head` `classifier`: the trained output
+// layer is dropped and a random one trains) — is told by the model's structure, the place each
+// sits between the keys that did load (missing_gap, unexpected_gap: the count of loaded keys
+// before it, in the model's order and in the state dict's; a place in the state dict whose loaded
+// neighbours are not neighbours in the model is none). Within one place, the unexpected keys are
+// paired in order with the missing parameters of the same shape and last component (new layers in
+// between are passed over), and the place's pairs count when
+//  * every module the place leaves over in the checkpoint has a key paired: a rename leaves
+//    nothing behind, while a fine-tune that drops a projector or the pretraining's heads and
+//    builds a head that happens to match one of their layers leaves the rest over (BERT's
+//    `cls.predictions` beside `cls.seq_relationship` for a `classifier` of two classes); and
+//  * no module left over is still in the model holding no tensor: `model.head = nn.Identity()`
+//    beside a new `classifier` (timm's reset_classifier, torchvision's fc = Identity) removed the
+//    old layer on purpose.
+// A new head of the same shape under a new name, the old name gone from the model and nothing
+// else left over, cannot be told from a rename: it is reported, and the message says how to
+// start it fresh (drop the old keys from the state dict, or keep the old module as
+// nn.Identity()). Without the places (a C++ program that does not give them) only the first
+// two signs are read.
 // Such pairs are bad_checkpoint (error), naming the parameters left at their initialisation and
 // their likely counterparts in the checkpoint. Silent: a new head or classifier (no unexpected
-// key of its shape, or a trailing one under another name), adapters inserted between loaded
-// layers (the checkpoint holds nothing left over for them), a classifier dropped from the state
-// dict. A state dict that is the model's under a prefix is the prefix rule's (Note [Resume
-// checks]); parameters frozen or in no optimizer are named there too and not again here.
+// key of its shape, the old one replaced by nn.Identity(), or other layers of the old head left
+// over with it), adapters inserted between loaded layers (the checkpoint holds nothing left over
+// for them), a classifier dropped from the state dict. A state dict that is the model's under a
+// prefix is the prefix rule's (Note [Resume checks]); parameters frozen or in no optimizer are
+// named there too and not again here.
 
 // Note [Data position]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -87,6 +110,56 @@ std::string tail2(const std::string& key) {
 
 bool at(const std::vector<bool>& v, size_t k) { return k < v.size() && v[k]; }
 
+/// The module of a key: the name without its last component ("" for a top-level key).
+std::string module_of(const std::string& key) {
+  const auto dot = key.rfind('.');
+  return dot == std::string::npos ? std::string() : key.substr(0, dot);
+}
+
+/// Note [Renamed layers], by place: (missing, unexpected) index pairs of the places between the
+/// loaded keys where every module left over has a key paired and none is a module kept empty.
+std::vector<std::pair<size_t, size_t>> paired_in_place(const ResumeFacts& f) {
+  std::vector<std::pair<size_t, size_t>> out;
+  const size_t nm = f.missing_params.size(), nu = f.unexpected_keys.size();
+  if (f.missing_gap.size() != nm || f.unexpected_gap.size() != nu ||
+      f.unexpected_replaced.size() != nu) {
+    return out;  // not given
+  }
+  std::map<int64_t, std::vector<size_t>> places;  // place -> its unexpected keys, in order
+  for (size_t j = 0; j < nu; ++j) {
+    if (f.unexpected_gap[j] >= 0) places[f.unexpected_gap[j]].push_back(j);
+  }
+  for (const auto& [place, keys] : places) {
+    std::vector<size_t> miss;  // the missing parameters in this place, in the model's order
+    for (size_t i = 0; i < nm; ++i) {
+      if (f.missing_gap[i] == place) miss.push_back(i);
+    }
+    std::map<std::string, bool> covered;  // module left over -> a key of it paired
+    std::vector<std::pair<size_t, size_t>> found;
+    bool replaced = false;
+    size_t next = 0;  // the first missing parameter of `miss` not paired or passed over
+    for (size_t j : keys) {
+      replaced = replaced || f.unexpected_replaced[j];
+      if (f.unexpected_shapes[j].empty()) continue;  // no tensor: nothing to pair
+      bool& c = covered[module_of(f.unexpected_keys[j])];
+      for (size_t k = next; k < miss.size(); ++k) {
+        const size_t i = miss[k];
+        if (f.missing_shapes[i] == f.unexpected_shapes[j] &&
+            leaf(f.missing_params[i]) == leaf(f.unexpected_keys[j])) {
+          found.emplace_back(i, j);
+          next = k + 1;
+          c = true;
+          break;
+        }
+      }
+    }
+    bool all = !found.empty() && !replaced;
+    for (const auto& [m, c] : covered) all = all && c;
+    if (all) out.insert(out.end(), found.begin(), found.end());
+  }
+  return out;
+}
+
 }  // namespace
 
 void ResumeCheck::renamed_layers(const ResumeFacts& f, int64_t step) {
@@ -97,6 +170,7 @@ void ResumeCheck::renamed_layers(const ResumeFacts& f, int64_t step) {
     return;
   }
   std::vector<std::string> left, pairs;
+  std::vector<bool> named(miss.size(), false), used(unexp.size(), false);
   size_t next = 0;  // the first unexpected key not paired or passed over yet
   for (size_t i = 0; i < miss.size(); ++i) {
     for (size_t j = next; j < unexp.size(); ++j) {
@@ -108,11 +182,18 @@ void ResumeCheck::renamed_layers(const ResumeFacts& f, int64_t step) {
       const std::string t = tail2(miss[i]);
       const bool inside = at(f.missing_interior, i) && at(f.unexpected_interior, j);
       if (inside || (!t.empty() && t == tail2(unexp[j]))) {
+        named[i] = used[j] = true;
         left.push_back(miss[i]);
         pairs.push_back(miss[i] + " (checkpoint: " + unexp[j] + ")");
       }
       break;
     }
+  }
+  for (const auto& [i, j] : paired_in_place(f)) {
+    if (named[i] || used[j]) continue;
+    named[i] = used[j] = true;
+    left.push_back(miss[i]);
+    pairs.push_back(miss[i] + " (checkpoint: " + unexp[j] + ")");
   }
   if (left.empty()) return;
   sink_.add(Kind::bad_checkpoint, left.front(),
@@ -122,7 +203,8 @@ void ResumeCheck::renamed_layers(const ResumeFacts& f, int64_t step) {
                 join_names(pairs) +
                 " — the model was refactored (modules renamed or moved) since the checkpoint was "
                 "saved; map the old keys to the new names before loading (strict=True lists "
-                "every key that does not match)",
+                "every key that does not match); a layer meant to start fresh: drop its old "
+                "keys from the state dict before loading",
             static_cast<double>(left.size()), step);
 }
 

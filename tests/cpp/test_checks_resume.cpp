@@ -1,6 +1,7 @@
-// ResumeCheck's rules of host/checks/resume_data.cpp on synthetic facts: Note [Renamed layers]
-// (a strict=False load of a refactored model) and Note [Data position] (a resume that replays
-// the data), each with its legitimate twins silent.
+// ResumeCheck's rules of host/checks/resume_data.cpp and resume_slots.cpp on synthetic facts:
+// Note [Renamed layers] (a strict=False load of a refactored model), Note [Data position] (a
+// resume that replays the data) and Note [Optimizer slots by name] (state restored by position
+// after a reorder), each with its legitimate twins silent.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -78,6 +79,89 @@ TEST(RenamedLayers, NewHeadsAndAdaptersAreSilent) {
       load({"blocks.0.adapter.weight"}, {"10x32"}, {true}, {"fc.weight"}, {"10x32"}, {false}), 0);
   // Same shape, another kind of parameter (weight for bias).
   c.on_resume(load({"layers.0.scale"}, {"32"}, {true}, {"blocks.0.bias"}, {"32"}, {true}), 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+}
+
+/// The v1 -> v2 model of Note [Renamed layers]'s place rule: v1 = embed, blocks.0, head; v2 =
+/// embed, blocks.0, norm (new), classifier (`head` renamed). Loaded: embed.{weight,bias},
+/// blocks.0.{weight,bias}: 4 keys, so everything left over sits at place 4, the model's end.
+ResumeFacts beside_a_new_layer(const std::string& width) {
+  ResumeFacts f = load({"norm.weight", "norm.bias", "classifier.weight", "classifier.bias"},
+                       {"16", "16", width + "x16", width}, {false, false, false, false},
+                       {"head.weight", "head.bias"}, {width + "x16", width}, {false, false});
+  f.missing_gap = {4, 4, 4, 4};
+  f.unexpected_gap = {4, 4};
+  f.unexpected_replaced = {false, false};
+  return f;
+}
+
+TEST(RenamedLayers, TopLevelRenameBesideANewLayerIsAnError) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  c.on_resume(beside_a_new_layer("4"), 0);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::bad_checkpoint);
+  EXPECT_EQ(sink.calls[0].tensor, "classifier.weight");
+  EXPECT_TRUE(has(sink.calls[0].message,
+                  "left 2 parameter(s) at their initial values while the state dict holds "
+                  "tensors of the same shape under other names: classifier.weight (checkpoint: "
+                  "head.weight), classifier.bias (checkpoint: head.bias)"))
+      << sink.calls[0].message;
+  // The new LayerNorm's bias has the old head's bias shape (16 classes): passed over, in order.
+  c.on_resume(beside_a_new_layer("16"), 1);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[1].message,
+                  "classifier.weight (checkpoint: head.weight), classifier.bias (checkpoint: "
+                  "head.bias)"))
+      << sink.calls[1].message;
+  // A BatchNorm renamed: its buffers are left over too (no parameter missing for them), and the
+  // module counts as paired through its weight and bias.
+  ResumeFacts f =
+      load({"bn2.weight", "bn2.bias"}, {"16", "16"}, {false, false},
+           {"bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"},
+           {"16", "16", "16", "16", ""}, {false, false, false, false, false});
+  f.missing_gap = {6, 6};
+  f.unexpected_gap = {6, 6, 6, 6, 6};
+  f.unexpected_replaced = {false, false, false, false, false};
+  c.on_resume(f, 2);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_TRUE(has(sink.calls[2].message, "left 2 parameter(s)")) << sink.calls[2].message;
+}
+
+TEST(RenamedLayers, FineTunesAroundTheTrunkAreSilentByPlace) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  // The old head replaced by nn.Identity() beside the new classifier: removed on purpose.
+  ResumeFacts f = beside_a_new_layer("4");
+  f.unexpected_replaced = {true, true};
+  c.on_resume(f, 0);
+  // A projector dropped (Linear(16, 16), ReLU, Linear(16, 4)) for a new fc = Linear(16, 4):
+  // projector.2 matches the new head, projector.0 is left over unpaired.
+  f = load({"fc.weight", "fc.bias"}, {"4x16", "4"}, {false, false},
+           {"projector.0.weight", "projector.0.bias", "projector.2.weight", "projector.2.bias"},
+           {"16x16", "16", "4x16", "4"}, {false, false, false, false});
+  f.missing_gap = {4, 4};
+  f.unexpected_gap = {4, 4, 4, 4};
+  f.unexpected_replaced = {false, false, false, false};
+  c.on_resume(f, 0);
+  // The old head at the model's end, the new one inside the trunk (another place).
+  f = beside_a_new_layer("4");
+  f.missing_gap = {2, 2, 2, 2};
+  c.on_resume(f, 0);
+  // The old head's loaded neighbours are not neighbours in the model (the order differs).
+  f = beside_a_new_layer("4");
+  f.unexpected_gap = {-1, -1};
+  c.on_resume(f, 0);
+  // A head of another shape.
+  f = beside_a_new_layer("4");
+  f.unexpected_shapes = {"10x16", "10"};
+  c.on_resume(f, 0);
+  // Places given for one side only: not read.
+  f = beside_a_new_layer("4");
+  f.unexpected_gap.clear();
+  c.on_resume(f, 0);
   EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
 }
 
@@ -167,6 +251,123 @@ TEST(DataPosition, SamplerEpochBehindTheCheckpoint) {
                   "DistributedSampler is at epoch 0 while the checkpoint "
                   "is from epoch=3, step=24"))
       << sink.calls[0].message;
+}
+
+/// The first step after optimizer.load_state_dict from a checkpoint with the model's state dict:
+/// today's slots `now` in `groups`, the checkpoint's parameter keys `saved`.
+ResumeFacts slots(std::vector<std::string> now, std::vector<int64_t> groups,
+                  std::vector<std::string> registration, std::vector<std::string> saved) {
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "AdamW";
+  f.optimizer_restored = true;
+  f.stateful = true;
+  f.optimizer_with_state = static_cast<int64_t>(now.size());
+  for (const auto& n : now) {
+    const bool weight = n.size() > 6 && n.substr(n.size() - 6) == "weight";
+    const bool head = n.rfind("head.", 0) == 0;
+    f.slot_shapes.push_back(head ? (weight ? "[4, 32]" : "[4]") : (weight ? "[32, 16]" : "[32]"));
+  }
+  f.slot_params = std::move(now);
+  f.saved_group_sizes = groups;
+  f.group_sizes = std::move(groups);
+  f.param_order = std::move(registration);
+  f.saved_param_order = std::move(saved);
+  return f;
+}
+
+const std::vector<std::string> kSaved = {"numeric.weight", "numeric.bias", "text.weight",
+                                         "text.bias",      "head.weight",  "head.bias"};
+const std::vector<std::string> kReordered = {"text.weight",  "text.bias",   "numeric.weight",
+                                             "numeric.bias", "head.weight", "head.bias"};
+
+TEST(OptimizerSlots, ReorderedLayersOfOneShapeAreAnErrorWhateverTheScales) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f = slots(kReordered, {6}, kReordered, kSaved);
+  MomentScale m;  // scales within 100x: the moment rule alone would say nothing
+  m.name = "text.weight";
+  m.shape = "[32, 16]";
+  m.moment = 2.0;
+  m.grad = 1.0;
+  f.moments = {m};
+  c.on_resume(f, 7);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::optimizer_reset);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kError);
+  EXPECT_EQ(sink.calls[0].tensor, "text.weight");
+  EXPECT_EQ(sink.calls[0].value, 4.0);
+  EXPECT_TRUE(has(sink.calls[0].message,
+                  "optimizer 0 (AdamW)'s restored state does not fit its parameters"));
+  EXPECT_TRUE(has(sink.calls[0].message,
+                  "4 parameter(s) took the state of another of the same shape: text.weight "
+                  "[32, 16] (the state of numeric.weight), text.bias [32] (the state of "
+                  "numeric.bias), numeric.weight [32, 16] (the state of text.weight), "
+                  "numeric.bias [32] (the state of text.bias)"))
+      << sink.calls[0].message;
+  EXPECT_TRUE(has(sink.calls[0].message, "restored by position after the parameter order changed"));
+  EXPECT_FALSE(has(sink.calls[0].message, "head"));
+  // The moment rule's own finding gives way to this one: scales 1000x apart both ways.
+  f.moments = {m, m};
+  f.moments[0].moment = 1000.0;
+  f.moments[1].name = "numeric.weight";
+  f.moments[1].moment = 1e-3;
+  c.on_resume(f, 8);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[1].message, "took the state of another")) << sink.calls[1].message;
+  // Decay and no-decay groups, no-decay first (timm's param_groups_weight_decay), each in
+  // registration order: judged per group.
+  c.on_resume(slots({"text.bias", "numeric.bias", "head.bias", "text.weight", "numeric.weight",
+                     "head.weight"},
+                    {3, 3}, kReordered, kSaved),
+              9);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_TRUE(has(sink.calls[2].message,
+                  "text.bias [32] (the state of numeric.bias), numeric.bias [32] (the state of "
+                  "text.bias), text.weight [32, 16] (the state of numeric.weight)"))
+      << sink.calls[2].message;
+}
+
+TEST(OptimizerSlots, UnambiguousFitsAndAmbiguousMappingsAreSilent) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  c.on_resume(slots(kSaved, {6}, kSaved, kSaved), 0);  // not reordered
+  // Groups that bind by module (the text branch, then the rest): the same sets either way.
+  c.on_resume(slots({"text.weight", "text.bias", "numeric.weight", "numeric.bias", "head.weight",
+                     "head.bias"},
+                    {2, 4}, kReordered, kSaved),
+              0);
+  // A group in another order than the registration's (hand-listed modules): not predicted.
+  c.on_resume(slots({"numeric.weight", "numeric.bias", "text.weight", "text.bias", "head.weight",
+                     "head.bias"},
+                    {6}, kReordered, kSaved),
+              0);
+  // In name order as well as in registration order (minGPT sorts each group by name): either
+  // construction explains the groups, and they disagree on the saved slots.
+  c.on_resume(slots({"a.weight", "b.weight", "a.bias", "b.bias"}, {2, 2},
+                    {"a.weight", "a.bias", "b.weight", "b.bias"},
+                    {"b.weight", "b.bias", "a.weight", "a.bias"}),
+              0);
+  ResumeFacts f = slots(kReordered, {6}, kReordered, kSaved);
+  f.saved_group_sizes = {5, 1};  // groups that differ (torch raises on sizes)
+  c.on_resume(f, 0);
+  f = slots(kReordered, {6}, kReordered, kSaved);
+  f.slot_params[5] = "";  // a parameter that is not the loaded model's
+  c.on_resume(f, 0);
+  f = slots(kReordered, {6}, kReordered, kSaved);
+  f.saved_param_order[0] = "numeric_proj.weight";  // renamed since: 5 of 6 slots known
+  c.on_resume(f, 0);
+  f = slots(kReordered, {6}, kReordered, kSaved);
+  f.slot_shapes[0] = "[32, 8]";  // another shape: the load's own rule (state_mismatched)
+  f.slot_shapes[1] = "[64]";
+  c.on_resume(f, 0);
+  f = slots(kReordered, {6}, kReordered, kSaved);
+  f.slot_params.clear();  // not given: the moment rule alone
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
 }
 
 }  // namespace
