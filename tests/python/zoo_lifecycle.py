@@ -264,6 +264,93 @@ def _c_new_head(ctx):
     _train(model, opt, regression_batch, F.mse_loss)
 
 
+class _Branches(nn.Module):
+    """Two branches of one shape over the same features (their gradient scales alike) and a head.
+    `reordered`: the branches declared in the other order; `v2`: a LayerNorm added before the
+    head, which is called `classifier` (same shape); `identity_head`: the head replaced by
+    nn.Identity() beside a new classifier of its shape (a fine-tune)."""
+
+    def __init__(self, reordered=False, v2=False, identity_head=False):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        names = ("right", "left") if reordered else ("left", "right")
+        for n in names:
+            setattr(self, n, nn.Linear(16, 16))
+        if v2:
+            self.norm = nn.LayerNorm(16)
+        else:
+            self.head = nn.Identity() if identity_head else nn.Linear(16, 1)
+        if v2 or identity_head:
+            self.classifier = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.embed(x))
+        h = torch.relu(self.left(h)) + torch.relu(self.right(h))
+        h = self.norm(h) if hasattr(self, "norm") else h
+        h = self.head(h) if hasattr(self, "head") else h
+        return self.classifier(h) if hasattr(self, "classifier") else h
+
+
+def _resume_into(ctx, new, make_opt, strict=True, restore_opt=True, at=4):
+    """Train a _Branches `at` steps, checkpoint it, and load it into `new` (attached first)."""
+    old = _Branches()
+    opt = make_opt(old)
+    _train_steps(old, opt, at)
+    buf = _save({"model": old.state_dict(), "optimizer": opt.state_dict(), "epoch": 1})
+    opt2 = make_opt(new)
+    ctx.attach(new, opt2)
+    ck = torch.load(buf)
+    new.load_state_dict(ck["model"], strict=strict)
+    if restore_opt:
+        opt2.load_state_dict(ck["optimizer"])
+    _train_steps(new, opt2, STEPS - at)
+
+
+def _train_steps(model, opt, n):
+    for _ in range(n):
+        x, y = regression_batch()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _by_module(m):
+    rest = [p for n, p in m.named_parameters() if not n.startswith(("left.", "right."))]
+    return torch.optim.AdamW([{"params": m.left.parameters()},
+                              {"params": m.right.parameters(), "lr": 2e-3}, {"params": rest}],
+                             lr=1e-3)
+
+
+@case("optimizer_reset/reordered_branches_mlp", "optimizer_reset", 0, "mlp", "AdamW",
+      "a refactor declared two branches of one shape in the other order: the resumed moments "
+      "swap by position (their gradient scales alike; the checkpoint's keys name the slots)")
+def _or_reordered(ctx):
+    _resume_into(ctx, _Branches(reordered=True),
+                 lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+
+
+@case("clean/reordered_branches_groups_by_module_mlp", None, None, "mlp", "AdamW",
+      "the same refactor with a parameter group per branch: the state binds by module")
+def _c_reordered_by_module(ctx):
+    _resume_into(ctx, _Branches(reordered=True), _by_module)
+
+
+@case("bad_checkpoint/head_renamed_beside_a_new_norm_mlp", "bad_checkpoint", 0, "mlp", "Adam",
+      "strict=False into v2 of the model (a LayerNorm added, `head` renamed `classifier`): the "
+      "trained output layer is dropped and a random one trains")
+def _bc_renamed_head(ctx):
+    _resume_into(ctx, _Branches(v2=True), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+                 strict=False, restore_opt=False)
+
+
+@case("clean/identity_head_new_classifier_mlp", None, None, "mlp", "Adam",
+      "fine-tuning: the old head replaced by nn.Identity() beside a new classifier of its shape")
+def _c_identity_head(ctx):
+    _resume_into(ctx, _Branches(identity_head=True),
+                 lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+                 strict=False, restore_opt=False)
+
+
 # -- determinism ---------------------------------------------------------------------------------
 
 _unseeded = torch.Generator().manual_seed(7)  # never re-seeded by the run
