@@ -109,9 +109,10 @@ void report_labels(Core& c, const LabelCheck& k, const LabelStats& s, bool from_
 // int64 target and the class count C; the dtype the labels were stored in is visible only in the
 // batch the step got (OpAudit::set_batch: the forward's inputs and the other tensors the data
 // loader yielded with them) — or the target itself: cross_entropy and nll_loss take a uint8 target
-// of a [N, C] or [C] input as it is (torch 2.11, CPU and CUDA: their kernels are instantiated for
-// uint8 and int64 indices; int8, int16 and the [N, C, d...] forms raise "expected scalar type
-// Long"), so 300-class labels stored as uint8 train as wrapped classes with no conversion in sight.
+// of a [N, C] or [C] input as it is (torch 2.11 on a CPU, tested; CUDA's nll_loss kernels are
+// dispatched for Byte and Long indices alike, pytorch#59765; int8, int16 and the [N, C, d...] forms
+// raise "expected scalar type Long"), so 300-class labels stored as uint8 train as wrapped classes
+// with no conversion in sight.
 // The rule: the target, when it is uint8/int8/int16, or a uint8/int8/int16 tensor of that batch
 // with exactly the target's shape, whose values equal the target's (compared on the suspicious path
 // only: its dtype holds fewer than C non-negative values), whose largest value reaches the top

@@ -374,7 +374,9 @@ class Generator(nn.Module):
         self.label_emb = None if onehot else nn.Embedding(classes, classes)
         self.net = nn.Sequential(nn.Linear(z + classes, 32), nn.ReLU(), nn.Linear(32, 20))
 
-    def forward(self, noise, labels):
+    def forward(self, noise, labels=None):
+        if labels is None:  # the one-hot code was concatenated to the noise by the caller
+            return self.net(noise)
         c = F.one_hot(labels, self.classes).float() if self.onehot else self.label_emb(labels)
         return self.net(torch.cat([noise, c], 1))
 
@@ -393,7 +395,7 @@ class Discriminator(nn.Module):
         return self.adv(h), self.aux(h)
 
 
-def _acgan(attach, classes, onehot, steps):
+def _acgan(attach, classes, onehot, steps, outside=False, watch_d=True):
     """PyTorch-GAN's AC-GAN loop: the generator is conditioned on the class (one-hot code
     concatenated to the noise, or an embedding), the discriminator predicts real/fake and the
     class."""
@@ -401,7 +403,7 @@ def _acgan(attach, classes, onehot, steps):
     G, D = Generator(classes=classes, onehot=onehot), Discriminator(classes)
     opt_g = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.999))
-    sans = [attach(G, opt_g), attach(D, opt_d)]
+    sans = [attach(G, opt_g), attach(D, opt_d) if watch_d else None]
     adv, aux = nn.BCEWithLogitsLoss(), nn.CrossEntropyLoss()
     n = 64
     for _ in range(steps):
@@ -412,7 +414,10 @@ def _acgan(attach, classes, onehot, steps):
         opt_g.zero_grad()
         z = torch.randn(n, 16)
         gen_labels = torch.randint(0, classes, (n,))
-        gen = G(z, gen_labels)
+        if outside:
+            gen = G(torch.cat([z, F.one_hot(gen_labels, classes).float()], 1))
+        else:
+            gen = G(z, gen_labels)
         v, c = D(gen)
         g_loss = 0.5 * (adv(v, valid) + aux(c, gen_labels))
         g_loss.backward()
@@ -434,6 +439,13 @@ def acgan_onehot(attach=no_attach, steps=STEPS):
     return _acgan(attach, 2, True, steps)
 
 
+def acgan_onehot_outside(attach=no_attach, steps=STEPS):
+    """Honest: the one-hot code concatenated to the noise before the call, and only the
+    generator watched: its input [64, 18] has a column equal to the label and one equal to its
+    complement."""
+    return _acgan(attach, 2, True, steps, outside=True, watch_d=False)
+
+
 def acgan_embedded(attach=no_attach, steps=STEPS):
     """Honest: ten classes, an embedding of the label as conditioning."""
     return _acgan(attach, 10, False, steps)
@@ -443,7 +455,7 @@ LOOPS = {f.__name__: f for f in [
     lm_unshifted, lm_shifted, lm_hf_labels, mlm_unmasked, mlm, copy_task, reverse_task,
     reverse_unshifted, pixelcnn_prior, survival_label_left, survival,
     survival_predictive_feature, prices_label_left, prices, autoencoder, acgan_onehot,
-    acgan_embedded]}
+    acgan_onehot_outside, acgan_embedded]}
 BUGGY = ["lm_unshifted", "mlm_unmasked", "reverse_unshifted", "survival_label_left",
          "prices_label_left"]
 
