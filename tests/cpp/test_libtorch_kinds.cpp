@@ -583,9 +583,10 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
 }
 
 // target_leak's token form (Note [Target leak]): a LibTorch LM trained on its own input ids. The
-// audit must see the embedding lookup: with begin_step() it starts before the forward; through
-// trainsan::attach alone the forward is seen at its first op on a parameter, the lookup itself,
-// whose output the audit cannot hold, so nothing is said. Shifted targets are silent.
+// audit must see the embedding lookup: a trainsan::Sanitizer given begin_step() starts it before
+// the forward; through trainsan::attach the forward is seen at its first op on a parameter (the
+// lookup itself; begin_step() only arms that watch), whose output the audit cannot hold, so
+// nothing is said. Shifted targets are silent.
 struct TokenLM : torch::nn::Module {
   TokenLM() {
     emb = register_module("emb", torch::nn::Embedding(50, 16));
@@ -598,17 +599,18 @@ struct TokenLM : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
-std::set<std::string> token_lm(bool begin_step, int64_t shift) {
+std::set<std::string> token_lm(bool attach, int64_t shift) {
   torch::manual_seed(0);
   TokenLM lm;
   torch::optim::Adam opt(lm.parameters(), 1e-3);
-  auto san = trainsan::attach(lm, opt, record());
+  auto san = attach ? trainsan::attach(lm, opt, record())
+                    : trainsan::Sanitizer(lm.named_parameters(), record());
   const torch::Tensor data = torch::randint(0, 50, {1024});
   for (int i = 0; i < 2; ++i) {
     const int64_t at = 40 * i;
     const torch::Tensor x = data.slice(0, at, at + 8 * 16).view({8, 16});
     const torch::Tensor y = data.slice(0, at + shift, at + shift + 8 * 16).view({8, 16});
-    if (begin_step) san.begin_step({x});
+    san.begin_step({x});
     opt.zero_grad();
     const torch::Tensor logits = lm.forward(x);
     const torch::Tensor loss =
@@ -622,9 +624,9 @@ std::set<std::string> token_lm(bool begin_step, int64_t shift) {
 }
 
 TEST(LibTorchKinds, TargetLeakOfTokensWhereTheLookupIsSeen) {
-  EXPECT_EQ(token_lm(/*begin_step=*/true, 0), std::set<std::string>{"target_leak"});
-  EXPECT_TRUE(token_lm(/*begin_step=*/true, 1).empty());
-  EXPECT_TRUE(token_lm(/*begin_step=*/false, 0).empty());  // see above: attach alone
+  EXPECT_EQ(token_lm(/*attach=*/false, 0), std::set<std::string>{"target_leak"});
+  EXPECT_TRUE(token_lm(/*attach=*/false, 1).empty());
+  EXPECT_TRUE(token_lm(/*attach=*/true, 0).empty());  // see above
 }
 
 // Re-run attribution (Options::rerun_on_error; Note [Re-run attribution]): a NaN the batch
