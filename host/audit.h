@@ -1,4 +1,5 @@
-// Op-level audits of the training forward: `broadcast`, `label_range` and `batch_mismatch`
+// Op-level audits of the training forward: `broadcast`, `label_range`, `label_dtype`,
+// `batch_mismatch` and `target_leak`
 // (Note [Op audit] in audit/observer.cpp). One process-wide ATen RecordFunction observer serves
 // every sanitizer; it is switched on only while some sanitizer audits a sampled step. The audit
 // writes its findings into a FindingSink and ships device-side label checks through the
@@ -43,6 +44,7 @@ struct AuditConfig {
   bool label_range = false;
   bool batch_mismatch = false;
   bool label_dtype = false;
+  bool target_leak = false;
   /// Read CUDA targets at once instead of shipping their flags.
   bool sync = false;
   /// Print a finding at once when its op is likely to fail (the policy is not "record").
@@ -73,6 +75,9 @@ class OpAudit {
   /// loader yielded with them): label_dtype compares class targets with its small-integer
   /// tensors (Note [Label dtype]). Held until the next call.
   void set_batch(std::vector<at::Tensor> batch);
+  /// The forward's inputs: target_leak compares the loss's target with the columns of its
+  /// floating [B, F] tables (Note [Target leak]). Held until the next call.
+  void set_inputs(std::vector<at::Tensor> inputs);
   /// Stop observing: the first gradient hook of the step (backward has started), the step end,
   /// close(). Cheap when not auditing.
   void stop();

@@ -133,6 +133,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   cfg.label_range = opts.enabled("label_range");
   cfg.batch_mismatch = opts.enabled("batch_mismatch");
   cfg.label_dtype = opts.enabled("label_dtype");
+  cfg.target_leak = opts.enabled("target_leak");
   cfg.sync = opts.sync;
   cfg.print_failing = opts.policy != "record";
   cfg.first_steps = opts.audit_first_steps;
@@ -329,6 +330,7 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     batch.insert(batch.end(), facts.batch.begin(), facts.batch.end());
     audit->set_batch(std::move(batch));
   }
+  if (grad_enabled && training) audit->set_inputs(facts.inputs);
   add_overhead(seconds_since(t0));
   if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
 }

@@ -48,7 +48,8 @@ OpAudit::~OpAudit() {
 
 void OpAudit::begin_forward(int64_t step) {
   audit::Core& c = *core_;
-  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype) {
+  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype &&
+      !c.cfg.target_leak) {
     return;
   }
   {
@@ -59,6 +60,7 @@ void OpAudit::begin_forward(int64_t step) {
   if (step >= c.cfg.first_steps && (c.cfg.every <= 0 || step % c.cfg.every != 0)) return;
   audit::flush_deferred(c);
   c.last_target = audit::LastTarget();
+  c.embedded.clear();
   {
     const std::lock_guard<std::mutex> lock(c.mu);
     c.audited_forwards += 1;
@@ -78,6 +80,18 @@ void OpAudit::set_batch(std::vector<at::Tensor> batch) {
     }
   }
   core_->batch = std::move(small);
+}
+
+void OpAudit::set_inputs(std::vector<at::Tensor> inputs) {
+  if (!core_->cfg.target_leak) return;
+  std::vector<at::Tensor> tables;  // target_leak's feature tables (Note [Target leak])
+  for (at::Tensor& t : inputs) {
+    if (t.defined() && t.layout() == at::kStrided && t.dim() == 2 && t.size(1) >= 2 &&
+        at::isFloatingType(t.scalar_type())) {
+      tables.push_back(std::move(t));
+    }
+  }
+  core_->inputs = std::move(tables);
 }
 
 void OpAudit::pause_this_thread(bool paused) { audit::pause_this_thread(paused); }
@@ -105,6 +119,7 @@ void OpAudit::step_end() {
   stop();
   audit::flush_deferred(*core_);
   core_->last_target = audit::LastTarget();
+  audit::end_leak_checks(*core_);
   audit::ship_device_checks(core_);
 }
 

@@ -99,6 +99,7 @@ void on_loss(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in) {
     }
     return;
   }
+  if (in[1].isTensor()) check_column_leak(c, name, in[1].toTensor(), c.step);
   bool have_src = false;
   Source src;
   if (d.valid && ops[0].shape == d.out && ops[1].shape == d.out) {

@@ -25,7 +25,7 @@
 
 namespace trainsan::host::audit {
 
-enum class OpClass { kElementwise, kBroadcastTensors, kLoss, kClassIndex, kOneHot };
+enum class OpClass { kElementwise, kBroadcastTensors, kLoss, kClassIndex, kOneHot, kEmbedding };
 
 struct OpInfo {
   OpClass cls;
@@ -67,7 +67,7 @@ struct DeviceCheck {
                      // and their count
 };
 
-struct Core {
+struct Core : std::enable_shared_from_this<Core> {
   explicit Core(AuditConfig config) : cfg(std::move(config)) {}
 
   const AuditConfig cfg;
@@ -90,6 +90,17 @@ struct Core {
   // was reported.
   std::vector<at::Tensor> batch;
   bool label_dtype_found = false;
+  // target_leak (Note [Target leak]): the forward's inputs, this audited forward's embedding
+  // lookups of integer sequences (indices of rank >= 2, and the output whose gradient confirms a
+  // leak), and the gradient hooks still installed on such outputs (removed at the step end).
+  struct Embedded {
+    at::Tensor indices;
+    at::Tensor output;
+  };
+  std::vector<at::Tensor> inputs;
+  std::vector<Embedded> embedded;
+  std::vector<std::pair<at::Tensor, unsigned>> leak_hooks;
+  std::atomic<bool> target_leak_found{false};  // set by a gradient hook too
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -146,6 +157,18 @@ void on_class_index(Core& c, const OpInfo& info, const char* name,
 void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
                         const at::Tensor& target, std::optional<int64_t> ignore,
                         int64_t num_classes, int64_t step, bool now, bool from_op);
+// ---------------------------------------------------------------------------------------------
+// leaks.cpp: target_leak (Note [Target leak])
+
+// An embedding lookup of the audited forward ended with `output`.
+void on_embedding(Core& c, const at::Tensor& indices, const at::Tensor& output);
+// A class-index loss (logits `input`, class targets) or a pointwise loss (prediction, target).
+void check_sequence_leak(Core& c, const char* op, const at::Tensor& target,
+                         std::optional<int64_t> ignore, int64_t step);
+void check_column_leak(Core& c, const char* op, const at::Tensor& target, int64_t step);
+// The step ended: remove the gradient hooks that did not run, forget the lookups.
+void end_leak_checks(Core& c);
+
 // Starts the copies of the device label flags recorded so far (one per device) and queues them
 // in the read-back queue (Phase::kLabels); its drain reports them.
 void ship_device_checks(const std::shared_ptr<Core>& core);

@@ -108,19 +108,30 @@ void report_labels(Core& c, const LabelCheck& k, const LabelStats& s, bool from_
 // fails and label_range sees values in range. What the op audit sees at a class-index loss is the
 // int64 target and the class count C; the dtype the labels were stored in is visible only in the
 // batch the step got (OpAudit::set_batch: the forward's inputs and the other tensors the data
-// loader yielded with them). The rule: a uint8/int8/int16 tensor of that batch with exactly the
-// target's shape, whose values equal the target's (compared on the suspicious path only: its
-// dtype holds fewer than C non-negative values), whose largest value reaches the top quarter of
-// its dtype's range (wrapped labels fill the range up to its top: 192..255 for uint8), while C
-// exceeds what the dtype can hold (256 for uint8, 128 for int8, 32768 for int16). Compact storage
-// that fits (uint8 labels of 10 classes) is silent by C; a head larger than the label set (1000
-// outputs fine-tuned on classes 0..9 kept as uint8) by the labels' largest value; a uint8 mask of
-// the target's shape by the equality. Reported once per sanitizer.
+// loader yielded with them) — or the target itself: cross_entropy and nll_loss take a uint8 target
+// of a [N, C] or [C] input as it is (torch 2.11 on a CPU, tested; CUDA's nll_loss kernels are
+// dispatched for Byte and Long indices alike, pytorch#59765; int8, int16 and the [N, C, d...] forms
+// raise "expected scalar type Long"), so 300-class labels stored as uint8 train as wrapped classes
+// with no conversion in sight.
+// The rule: the target, when it is uint8/int8/int16, or a uint8/int8/int16 tensor of that batch
+// with exactly the target's shape, whose values equal the target's (compared on the suspicious path
+// only: its dtype holds fewer than C non-negative values), whose largest value reaches the top
+// quarter of its dtype's range (wrapped labels fill the range up to its top: 192..255 for uint8),
+// while C exceeds what the dtype can hold (256 for uint8, 128 for int8, 32768 for int16). Compact
+// storage that fits (uint8 labels of 10 classes) is silent by C; a head larger than the label set
+// (1000 outputs fine-tuned on classes 0..9 kept as uint8) by the labels' largest value; a uint8
+// mask of the target's shape by the equality. Reported once per sanitizer.
 void check_label_dtype(Core& c, const std::string& op, const at::Tensor& target, int64_t classes,
                        int64_t step, bool from_op, const std::function<const Source&()>& source) {
   const OwnOps own;
   const at::DisableRecordFunctionGuard unobserved;
-  for (const at::Tensor& b : c.batch) {
+  const at::ScalarType tt = target.scalar_type();
+  const bool narrow = tt == at::kByte || tt == at::kChar || tt == at::kShort;
+  std::vector<at::Tensor> stored;  // the target itself when narrow, then the batch's tensors
+  if (narrow) stored.push_back(target);
+  stored.insert(stored.end(), c.batch.begin(), c.batch.end());
+  for (const at::Tensor& b : stored) {
+    const bool itself = narrow && b.is_same(target);
     if (b.sizes() != target.sizes()) continue;
     const int64_t capacity = b.scalar_type() == at::kByte   ? 256
                              : b.scalar_type() == at::kChar ? 128
@@ -129,16 +140,17 @@ void check_label_dtype(Core& c, const std::string& op, const at::Tensor& target,
     const at::Tensor v = b.to(at::kCPU).to(at::kLong);  // a sync only on this suspicious path
     const int64_t hi = v.max().item<int64_t>();
     if (hi < capacity - capacity / 4) continue;
-    if (!at::equal(v, target.to(at::kCPU).to(at::kLong))) continue;
+    if (!itself && !at::equal(v, target.to(at::kCPU).to(at::kLong))) continue;
     const std::string dt = b.scalar_type() == at::kByte   ? "uint8"
                            : b.scalar_type() == at::kChar ? "int8"
                                                           : "int16";
     const Source& s = source();
     std::ostringstream msg;
-    msg << "the target of " << op_desc(op, s) << " comes from a " << dt << " tensor of the batch "
-        << shape_str(b.sizes().vec()) << ", but the loss has " << classes << " classes and " << dt
-        << " holds only " << capacity << " non-negative values (this batch's largest label is "
-        << hi << ")" << at_source(s) << " — labels of class " << capacity
+    msg << "the target of " << op_desc(op, s) << (itself ? " is a " : " comes from a ") << dt
+        << (itself ? " tensor " : " tensor of the batch ") << shape_str(b.sizes().vec())
+        << ", but the loss has " << classes << " classes and " << dt << " holds only " << capacity
+        << " non-negative values (this batch's largest label is " << hi << ")" << at_source(s)
+        << " — labels of class " << capacity
         << " and above wrapped around when they were stored (class " << capacity + 44 << " became "
         << (capacity == 256 ? 44 : 44 - capacity)
         << "): keep the labels in int64 (torch.long) from the data set on, e.g. "
@@ -200,7 +212,9 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
                "moved the batch dimension",
            static_cast<double>(target.size(0)), step, /*say_now=*/from_op);
   }
-  if (c.cfg.label_dtype && !c.label_dtype_found && !c.batch.empty() &&
+  const at::ScalarType tt = target.scalar_type();
+  const bool narrow = tt == at::kByte || tt == at::kChar || tt == at::kShort;
+  if (c.cfg.label_dtype && !c.label_dtype_found && (narrow || !c.batch.empty()) &&
       classes != std::numeric_limits<int64_t>::max() &&
       at::isIntegralType(target.scalar_type(), /*includeBool=*/false)) {
     check_label_dtype(c, op, target, classes, step, from_op, source);
@@ -227,7 +241,9 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
 
 void on_class_index(Core& c, const OpInfo& info, const char* name,
                     c10::ArrayRef<const c10::IValue> in) {
-  if (!c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype) return;
+  if (!c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype && !c.cfg.target_leak) {
+    return;
+  }
   if (info.cls == OpClass::kOneHot) {
     if (in.size() < 2 || !in[0].isTensor() || !in[1].isInt()) return;
     check_class_target(c, name, at::Tensor(), in[0].toTensor(), std::nullopt, in[1].toInt(), c.step,
@@ -243,6 +259,8 @@ void on_class_index(Core& c, const OpInfo& info, const char* name,
   }
   check_class_target(c, name, in[0].toTensor(), in[1].toTensor(), ignore, -1, c.step,
                      /*now=*/false, /*from_op=*/true);
+  check_sequence_leak(c, name, in[1].toTensor(), ignore, c.step);
+  check_column_leak(c, name, in[1].toTensor(), c.step);
 }
 
 void ship_device_checks(const std::shared_ptr<Core>& core) {

@@ -17,11 +17,11 @@ namespace trainsan::host {
 
 // Note [Op audit]
 // ~~~~~~~~~~~~~~~
-// What is observed: one global ATen RecordFunction callback (scopes FUNCTION, with inputs, and
-// BACKWARD_FUNCTION), added the first time any sanitizer audits and removed when the last open
-// sanitizer closes. It is disabled (at::disableCallback: the dispatcher's fast path, no boxing)
-// except while at least one sanitizer audits, i.e. from the training forward of a sampled step
-// (Python: the root module's forward pre-hook; C++: begin_step) to the start of backward (the
+// What is observed: one global ATen RecordFunction callback (scopes FUNCTION, with inputs and
+// outputs, and BACKWARD_FUNCTION), added the first time any sanitizer audits and removed when the
+// last open sanitizer closes. It is disabled (at::disableCallback: the dispatcher's fast path, no
+// boxing) except while at least one sanitizer audits, i.e. from the training forward of a sampled
+// step (Python: the root module's forward pre-hook; C++: begin_step) to the start of backward (the
 // first autograd node to run, seen at scope BACKWARD_FUNCTION; the gradient hooks and the step
 // end stop it too). Sampled steps: the first audit_first_steps steps, then every audit_every-th.
 //
@@ -55,6 +55,9 @@ namespace trainsan::host {
 //   `label_range` when a target value is outside [0, C) and is not ignore_index, checked before
 //   the op runs; `batch_mismatch` when target.size(0) != input.size(0). A target the Python
 //   layer has just checked (sync mode) is not checked again by the op's callback (LastTarget).
+// * `target_leak` (audit/leaks.cpp, Note [Target leak]): embedding lookups of integer sequences
+//   are noted with their output (the op's end: the only op whose outputs are read); the targets
+//   of class-index and loss ops are compared with them and with the forward's feature tables.
 //
 // Findings are written into the sanitizer's FindingSink from the callback (which runs on the
 // training thread: only the thread that started the audit is observed), with the step of the
@@ -122,6 +125,7 @@ const std::unordered_map<std::string_view, OpInfo>& op_table() {
       {"aten::nll_loss2d", {OpClass::kClassIndex, 4}},
       {"aten::multi_margin_loss", {OpClass::kClassIndex, -1}},
       {"aten::one_hot", {OpClass::kOneHot, -1}},
+      {"aten::embedding", {OpClass::kEmbedding}},
   };
   return *table;
 }
@@ -147,6 +151,11 @@ thread_local bool t_deferred_pending = false;
 thread_local int t_paused = 0;  // pause_this_thread() depth
 
 struct InLoss : at::ObserverContext {};
+// An embedding lookup: its output, seen when the op ends, is target_leak's (Note [Target leak]).
+struct InEmbedding : at::ObserverContext {
+  std::shared_ptr<Core> core;
+  at::Tensor indices;
+};
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn);
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx);
@@ -194,6 +203,8 @@ void audit_op(Core& c, const OpInfo& info, const char* name, c10::ArrayRef<const
       flush_deferred(c);
       on_class_index(c, info, name, in);
       return;
+    case OpClass::kEmbedding:
+      return;  // on_op_end: the lookup's output
   }
 }
 
@@ -256,6 +267,18 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   }
   const std::shared_ptr<Core> core = auditor_of_this_thread();
   if (!core) return nullptr;
+  if (cls == OpClass::kEmbedding) {
+    // aten::embedding(weight, indices, ...): integer sequences the model reads.
+    const auto in = fn.inputs();
+    if (!core->cfg.target_leak || core->target_leak_found.load() || in.size() < 2 ||
+        !in[1].isTensor() || in[1].toTensor().dim() < 2) {
+      return nullptr;
+    }
+    auto e = std::make_unique<InEmbedding>();
+    e->core = core;
+    e->indices = in[1].toTensor();
+    return e;
+  }
   std::unique_ptr<at::ObserverContext> ctx;
   if (cls == OpClass::kLoss || cls == OpClass::kClassIndex || cls == OpClass::kOneHot) {
     ctx = std::make_unique<InLoss>();  // on_op_end closes it, also when the op throws
@@ -282,8 +305,21 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   return ctx;
 }
 
-void on_op_end(const at::RecordFunction& /*fn*/, at::ObserverContext* ctx) {
-  if (ctx != nullptr) t_loss_depth -= 1;
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (ctx == nullptr) return;
+  auto* e = dynamic_cast<InEmbedding*>(ctx);
+  if (e == nullptr) {
+    t_loss_depth -= 1;
+    return;
+  }
+  const auto& out = fn.outputs();
+  if (out.empty() || !out[0].isTensor()) return;
+  try {
+    const OwnOps own;
+    on_embedding(*e->core, e->indices, out[0].toTensor());
+  } catch (const std::exception&) {
+    // an audit must never break the training step
+  }
 }
 
 }  // namespace
@@ -320,6 +356,7 @@ void activate(const std::shared_ptr<Core>& core) {
     r.handle = at::addGlobalCallback(
         at::RecordFunctionCallback(&on_op, &on_op_end)
             .needsInputs(true)
+            .needsOutputs(true)  // an embedding's output (target_leak)
             .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
     r.enabled = true;
   } else if (!r.enabled) {

@@ -2,6 +2,7 @@
 #include "audit/shape_rules.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace trainsan::host::audit {
@@ -79,6 +80,74 @@ std::string operands_str(const std::vector<Operand>& ops) {
     s += shape_str(ops[k].shape);
   }
   return s;
+}
+
+SequenceMatch match_sequence(const int64_t* target, const int64_t* seq, int64_t rows, int64_t len,
+                             std::optional<int64_t> ignore) {
+  SequenceMatch m;
+  bool equal = true, shifted = true, any_shifted = false, have_first = false;
+  int64_t first = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* t = target + r * len;
+    const int64_t* s = seq + r * len;
+    for (int64_t k = 0; k < len; ++k) {
+      if (ignore && t[k] == *ignore) continue;
+      m.valid += 1;
+      if (!have_first) first = t[k];
+      have_first = true;
+      m.varies = m.varies || t[k] != first;
+      equal = equal && s[k] == t[k];
+      if (k + 1 < len) {
+        any_shifted = true;
+        shifted = shifted && s[k + 1] == t[k];
+      }
+    }
+  }
+  m.equal = m.valid > 0 && equal;
+  m.shifted = any_shifted && shifted;
+  return m;
+}
+
+std::vector<int64_t> last_valid_positions(const int64_t* target, int64_t rows, int64_t len,
+                                          std::optional<int64_t> ignore) {
+  std::vector<int64_t> last(static_cast<size_t>(rows), -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = len - 1; k >= 0; --k) {
+      if (!ignore || target[r * len + k] != *ignore) {
+        last[static_cast<size_t>(r)] = k;
+        break;
+      }
+    }
+  }
+  return last;
+}
+
+std::optional<int64_t> leaked_column(const double* table, int64_t rows, int64_t cols,
+                                     const double* target) {
+  if (rows <= 0 || cols < 2) return std::nullopt;
+  bool varies = false, integral = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    varies = varies || target[r] != target[0];
+    integral = integral && std::isfinite(target[r]) && target[r] == std::floor(target[r]);
+  }
+  if (!varies || rows < (integral ? kLeakRowsInteger : kLeakRowsReal)) return std::nullopt;
+  const auto at = [&](int64_t r, int64_t c) { return table[r * cols + c]; };
+  for (int64_t c = 0; c < cols; ++c) {
+    bool equal = true;
+    for (int64_t r = 0; r < rows && equal; ++r) equal = at(r, c) == target[r];
+    if (!equal) continue;
+    bool binary = true;
+    for (int64_t r = 0; r < rows && binary; ++r) binary = at(r, c) == 0.0 || at(r, c) == 1.0;
+    bool paired = false;
+    for (int64_t o = 0; binary && o < cols && !paired; ++o) {
+      if (o == c) continue;
+      bool complement = true;
+      for (int64_t r = 0; r < rows && complement; ++r) complement = at(r, o) == 1.0 - at(r, c);
+      paired = complement;
+    }
+    if (!paired) return c;
+  }
+  return std::nullopt;
 }
 
 }  // namespace trainsan::host::audit

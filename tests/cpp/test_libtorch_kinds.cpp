@@ -370,6 +370,13 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
                },
                true, true, x);
          }));
+  // The label column left among the features: column 3 of the input is the class index.
+  expect("target_leak",
+         run(1, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           torch::Tensor x = batch(i);
+           x.select(1, 3).copy_(labels(i).to(torch::kFloat));
+           iteration(n, o, s, i, kCrossEntropy, true, true, x);
+         }));
   // New batches, then the same one again: the data stopped advancing.
   expect("duplicate_batch",
          run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
@@ -573,6 +580,53 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
   std::string list;
   for (const auto& k : missing) list += " " + k;
   EXPECT_TRUE(missing.empty()) << "kinds no LibTorch scenario reached:" << list;
+}
+
+// target_leak's token form (Note [Target leak]): a LibTorch LM trained on its own input ids. The
+// audit must see the embedding lookup: a trainsan::Sanitizer given begin_step() starts it before
+// the forward; through trainsan::attach the forward is seen at its first op on a parameter (the
+// lookup itself; begin_step() only arms that watch), whose output the audit cannot hold, so
+// nothing is said. Shifted targets are silent.
+struct TokenLM : torch::nn::Module {
+  TokenLM() {
+    emb = register_module("emb", torch::nn::Embedding(50, 16));
+    rnn = register_module("rnn", torch::nn::GRU(torch::nn::GRUOptions(16, 16).batch_first(true)));
+    head = register_module("head", torch::nn::Linear(16, 50));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(std::get<0>(rnn(emb(ids)))); }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::GRU rnn{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+std::set<std::string> token_lm(bool attach, int64_t shift) {
+  torch::manual_seed(0);
+  TokenLM lm;
+  torch::optim::Adam opt(lm.parameters(), 1e-3);
+  auto san = attach ? trainsan::attach(lm, opt, record())
+                    : trainsan::Sanitizer(lm.named_parameters(), record());
+  const torch::Tensor data = torch::randint(0, 50, {1024});
+  for (int i = 0; i < 2; ++i) {
+    const int64_t at = 40 * i;
+    const torch::Tensor x = data.slice(0, at, at + 8 * 16).view({8, 16});
+    const torch::Tensor y = data.slice(0, at + shift, at + shift + 8 * 16).view({8, 16});
+    san.begin_step({x});
+    opt.zero_grad();
+    const torch::Tensor logits = lm.forward(x);
+    const torch::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.view({-1, 50}), y.reshape({-1}));
+    loss.backward();
+    opt.step();
+    san.end_step(loss);
+  }
+  san.close();
+  return kinds_of(san);
+}
+
+TEST(LibTorchKinds, TargetLeakOfTokensWhereTheLookupIsSeen) {
+  EXPECT_EQ(token_lm(/*attach=*/false, 0), std::set<std::string>{"target_leak"});
+  EXPECT_TRUE(token_lm(/*attach=*/false, 1).empty());
+  EXPECT_TRUE(token_lm(/*attach=*/true, 0).empty());  // see above
 }
 
 // Re-run attribution (Options::rerun_on_error; Note [Re-run attribution]): a NaN the batch

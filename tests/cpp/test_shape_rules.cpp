@@ -2,6 +2,7 @@
 // [N,1]-vs-[N] signature of Note [Op audit].
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <utility>
@@ -109,6 +110,125 @@ TEST(ShapeRules, MoreThanSixteenDims) {
   EXPECT_FALSE(fires({op(c), op({4})}));  // a bias over 20 dims: no growth
   c[0] = 3;
   EXPECT_TRUE(fires({op(c), op({3, 1})}));  // [3, 1, ..., 4] meets [3, 1]: across dims 0 and 18
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// target_leak's value rules (Note [Target leak] in audit/leaks.cpp), on hand-written tables.
+
+namespace {
+
+using trainsan::host::audit::kLeakRowsInteger;
+using trainsan::host::audit::kLeakRowsReal;
+using trainsan::host::audit::last_valid_positions;
+using trainsan::host::audit::leaked_column;
+using trainsan::host::audit::match_sequence;
+
+TEST(TargetLeak, UnshiftedTargetsEqualTheSequence) {
+  // 2 rows of 4 tokens; the target is the sequence itself.
+  const std::vector<int64_t> ids = {5, 7, 9, 2, 3, 3, 8, 1};
+  const auto m = match_sequence(ids.data(), ids.data(), 2, 4, std::nullopt);
+  EXPECT_TRUE(m.equal);
+  EXPECT_FALSE(m.shifted);  // 5 7 9 2 read shifted: 7 != 5
+  EXPECT_TRUE(m.varies);
+  EXPECT_EQ(m.valid, 8);
+}
+
+TEST(TargetLeak, ShiftedTargetsAreTheDecodersInput) {
+  // ids = [BOS=0, a, b, c]; the target is the next token: [a, b, c, EOS=1].
+  const std::vector<int64_t> seq = {0, 5, 7, 9, 0, 3, 8, 4};
+  const std::vector<int64_t> tgt = {5, 7, 9, 1, 3, 8, 4, 1};
+  const auto m = match_sequence(tgt.data(), seq.data(), 2, 4, std::nullopt);
+  EXPECT_FALSE(m.equal);
+  EXPECT_TRUE(m.shifted);  // seq[t + 1] == tgt[t] for t < 3 in both rows
+  // One position off breaks it.
+  std::vector<int64_t> off = seq;
+  off[6] = 2;
+  EXPECT_FALSE(match_sequence(tgt.data(), off.data(), 2, 4, std::nullopt).shifted);
+}
+
+TEST(TargetLeak, IgnoredPositionsAreLeftOut) {
+  // A masked LM: labels -100 where unmasked; the masked position holds [MASK]=99 in the input.
+  const std::vector<int64_t> input = {5, 99, 9, 2};
+  const std::vector<int64_t> labels = {-100, 7, -100, -100};
+  const auto mlm = match_sequence(labels.data(), input.data(), 1, 4, int64_t{-100});
+  EXPECT_EQ(mlm.valid, 1);
+  EXPECT_FALSE(mlm.equal);
+  // The masking forgotten (the input keeps the token): equal at the one valid position.
+  const std::vector<int64_t> kept = {5, 7, 9, 2};
+  const auto leak = match_sequence(labels.data(), kept.data(), 1, 4, int64_t{-100});
+  EXPECT_TRUE(leak.equal);
+  EXPECT_FALSE(leak.varies);  // one value: the caller asks for more positions than this
+  // Every position ignored: nothing is equal.
+  const std::vector<int64_t> none = {-100, -100};
+  EXPECT_FALSE(match_sequence(none.data(), none.data(), 1, 2, int64_t{-100}).equal);
+}
+
+TEST(TargetLeak, LastValidPositionPerRow) {
+  const std::vector<int64_t> tgt = {4, 5, -1, -1, 6, 7, 8, 9, -1, -1, -1, -1};
+  EXPECT_EQ(last_valid_positions(tgt.data(), 3, 4, int64_t{-1}), (std::vector<int64_t>{1, 3, -1}));
+  EXPECT_EQ(last_valid_positions(tgt.data(), 3, 4, std::nullopt), (std::vector<int64_t>{3, 3, 3}));
+}
+
+// A [rows, 3] table: column 0 noise, column 1 the target, column 2 a constant.
+std::vector<double> table_with(const std::vector<double>& y) {
+  std::vector<double> t;
+  for (size_t r = 0; r < y.size(); ++r) {
+    t.push_back(0.25 * static_cast<double>(r) - 1.0);
+    t.push_back(y[r]);
+    t.push_back(1.0);
+  }
+  return t;
+}
+
+TEST(TargetLeak, RealTargetColumnFromEightRows) {
+  std::vector<double> y;
+  for (int64_t r = 0; r < kLeakRowsReal; ++r) y.push_back(0.5 + 1.25 * static_cast<double>(r));
+  const auto t = table_with(y);
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsReal, 3, y.data()), std::optional<int64_t>(1));
+  // One row fewer is not enough evidence.
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsReal - 1, 3, y.data()), std::nullopt);
+  // One row differing by the last bit: no column is the target.
+  std::vector<double> near = y;
+  near[3] = std::nextafter(near[3], 100.0);
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsReal, 3, near.data()), std::nullopt);
+}
+
+TEST(TargetLeak, ClassIndexColumnNeedsThirtyTwoRows) {
+  std::vector<double> y;
+  for (int64_t r = 0; r < kLeakRowsInteger; ++r) y.push_back(static_cast<double>(r % 3));
+  const auto t = table_with(y);
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsInteger, 3, y.data()), std::optional<int64_t>(1));
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsInteger - 1, 3, y.data()), std::nullopt);
+}
+
+TEST(TargetLeak, ConstantTargetIsNoEvidence) {
+  // A GAN's real labels (all 1) against a table with a column of ones.
+  const std::vector<double> y(kLeakRowsInteger, 1.0);
+  const auto t = table_with(y);
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsInteger, 3, y.data()), std::nullopt);
+}
+
+TEST(TargetLeak, OneHotPairOfATwoValuedLabelIsConditioning) {
+  // [noise, onehot_0, onehot_1]: onehot_1 equals the 0/1 label, onehot_0 is its complement.
+  std::vector<double> y, t;
+  for (int64_t r = 0; r < kLeakRowsInteger; ++r) {
+    y.push_back(static_cast<double>((r * 7) % 2));
+    t.push_back(0.1 * static_cast<double>(r));
+    t.push_back(1.0 - y.back());
+    t.push_back(y.back());
+  }
+  EXPECT_EQ(leaked_column(t.data(), kLeakRowsInteger, 3, y.data()), std::nullopt);
+  // Without the complement column, the 0/1 column is the label left among the features.
+  std::vector<double> two;
+  for (int64_t r = 0; r < kLeakRowsInteger; ++r) {
+    two.push_back(t[static_cast<size_t>(3 * r)]);
+    two.push_back(y[static_cast<size_t>(r)]);
+  }
+  EXPECT_EQ(leaked_column(two.data(), kLeakRowsInteger, 2, y.data()), std::optional<int64_t>(1));
+  // A single column is no table.
+  EXPECT_EQ(leaked_column(y.data(), kLeakRowsInteger, 1, y.data()), std::nullopt);
 }
 
 }  // namespace

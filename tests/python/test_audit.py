@@ -29,7 +29,7 @@ import trainsan  # noqa: E402
 import zoo  # noqa: E402
 import zoo_audit  # noqa: E402
 
-AUDIT_KINDS = ("broadcast", "label_range", "label_dtype", "batch_mismatch")
+AUDIT_KINDS = ("broadcast", "label_range", "label_dtype", "batch_mismatch", "target_leak")
 AUDIT_CASES = [c for c in zoo.CASES if c.fn.__module__ == "zoo_audit"]
 
 
@@ -49,6 +49,7 @@ def test_zoo_has_the_required_audit_cases():
     assert len(by_kind["label_range"]) >= 2
     assert len(by_kind["label_dtype"]) >= 2
     assert len(by_kind["batch_mismatch"]) >= 1
+    assert len(by_kind["target_leak"]) >= 2
     names = " ".join(c.name for c in by_kind["broadcast"])
     assert "weight" in names and "handwritten" in names  # a loss weight, a hand-written loss
     assert len({c.model for c in bugs}) >= 3 and len({c.optimizer for c in bugs}) >= 3

@@ -31,6 +31,7 @@ IMPLEMENTED = {
     "label_range": "error",
     "label_dtype": "error",
     "batch_mismatch": "error",
+    "target_leak": "error",
     "duplicate_batch": "warning",
     "fp16_overflow": "warning",
     "amp_scale_collapse": "error",

@@ -32,6 +32,7 @@ REQUIRED_KINDS = [
     "no_grad_leak",
     "eval_mode",
     "duplicate_batch",
+    "target_leak",
     "loss_spike",
     "trivial_loss",
     "empty_loss",

@@ -1,5 +1,5 @@
 """Bug-zoo cases of the op audits: ``broadcast``, ``label_range``, ``label_dtype``,
-``batch_mismatch``.
+``batch_mismatch``, ``target_leak``.
 
 Registered into the zoo (zoo.py imports this module before it builds ``BUGGY``/``CLEAN``), so
 tests/python/test_zoo.py and bench/zoo_score.py run them with the others. The clean loops use
@@ -476,3 +476,223 @@ def _clean_compact_labels(ctx):
         loader = torch.utils.data.DataLoader(_StoredLabels(10, np.uint8), batch_size=16,
                                              shuffle=True)
         _train_on_stored_labels(model, opt, san, loader)
+
+
+# --- target_leak (Note [Target leak]) --------------------------------------------------------
+
+
+class _CharGPT(nn.Module):
+    """A character-level decoder-only LM as nanoGPT's shakespeare_char writes it."""
+
+    def __init__(self, vocab=40, d=32, block=32, causal=True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.block = nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+        self.causal = causal
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(t))
+        mask = nn.Transformer.generate_square_subsequent_mask(t) if self.causal else None
+        return self.head(self.block(h, src_mask=mask, is_causal=self.causal))
+
+
+def _char_lm(ctx, shift):
+    model = _CharGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    san = ctx.attach(model, opt)
+    data = torch.randint(0, 40, (2048,))  # the encoded text
+    for step in range(STEPS):
+        ix = torch.randint(len(data) - 33, (8,))
+        x = torch.stack([data[i:i + 32] for i in ix])
+        y = torch.stack([data[i + shift:i + shift + 32] for i in ix])
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("target_leak/get_batch_unshifted_transformer", "target_leak", 0, "transformer", "AdamW",
+      "nanoGPT-style get_batch takes y = data[i:i+T] instead of data[i+1:i+T+1]: the targets "
+      "are the input ids, each position predicts the token it reads")
+def _tl_unshifted(ctx):
+    _char_lm(ctx, 0)
+
+
+def _table(n=512, seed=0):
+    """A table as a DataFrame holds it: five features, then the class label (3 classes)."""
+    rng = np.random.default_rng(seed)
+    feats = rng.standard_normal((n, 5)).astype(np.float32)
+    label = (feats[:, 0] + 0.5 * feats[:, 1] > 0).astype(np.float32) + (feats[:, 2] > 1)
+    return np.concatenate([feats, label[:, None].astype(np.float32)], 1)
+
+
+def _fit_table(ctx, keep_label):
+    table = _table()
+    X = table if keep_label else table[:, :-1]
+    y = table[:, -1].astype(np.int64)
+    data = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(y))
+    loader = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True)
+    model = make_mlp(din=X.shape[1], dh=32, dout=3)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    crit = nn.CrossEntropyLoss()
+    for step, (xb, yb) in enumerate(loader):
+        if step == STEPS:
+            break
+        opt.zero_grad()
+        loss = crit(model(xb), yb)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("target_leak/label_column_left_in_features_mlp", "target_leak", 0, "mlp", "RMSprop",
+      "X = df.values with the label column still in it: one feature is the class index the "
+      "model must predict")
+def _tl_table(ctx):
+    _fit_table(ctx, True)
+
+
+@case("label_dtype/uint8_target_passed_as_is_mlp", "label_dtype", 0, "mlp", "SGD+nesterov",
+      "300-class labels stored as uint8 go straight to nn.CrossEntropyLoss, which accepts a "
+      "uint8 target: classes 256..299 train as 0..43")
+def _ld_direct(ctx):
+    model = make_mlp(dout=300)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    san = ctx.attach(model, opt)
+    loader = torch.utils.data.DataLoader(_StoredLabels(300, np.uint8), batch_size=16,
+                                         shuffle=True)
+    crit = nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/next_token_targets_shifted_transformer", None, None, "transformer", "AdamW",
+      "the same character LM with y = data[i+1:i+T+1]: the answer is the next token (target_leak "
+      "twin)")
+def _clean_shifted(ctx):
+    _char_lm(ctx, 1)
+
+
+@case("clean/masked_lm_labels_transformer", None, None, "transformer", "Adam",
+      "BERT-style masked LM: labels are the input ids at 15% of the positions and -100 elsewhere; "
+      "the chosen inputs become [MASK] (80%), a random token (10%) or stay (10%)")
+def _clean_mlm(ctx):
+    model = _CharGPT(vocab=41, causal=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        ids = torch.randint(0, 40, (8, 32))
+        labels = ids.clone()
+        chosen = torch.bernoulli(torch.full(ids.shape, 0.15)).bool()
+        labels[~chosen] = -100
+        inputs = ids.clone()
+        masked = torch.bernoulli(torch.full(ids.shape, 0.8)).bool() & chosen
+        inputs[masked] = 40
+        rand = torch.bernoulli(torch.full(ids.shape, 0.5)).bool() & chosen & ~masked
+        inputs[rand] = torch.randint(0, 40, ids.shape)[rand]
+        loss = F.cross_entropy(model(inputs).view(-1, 41), labels.view(-1))
+        opt.zero_grad()
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+class _MaskedConv(nn.Conv2d):
+    def __init__(self, kind, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        k = self.kernel_size[0]
+        mask = torch.ones_like(self.weight)
+        mask[:, :, k // 2, k // 2 + (kind == "B"):] = 0
+        mask[:, :, k // 2 + 1:] = 0
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight * self.mask, self.bias, padding=self.padding)
+
+
+@case("clean/pixelcnn_prior_over_codes_cnn", None, None, "cnn", "Adam",
+      "a VQ-VAE's PixelCNN prior: the codes are embedded and are the target, position by "
+      "position, by design; masked convolutions (type A) keep each code from seeing itself")
+def _clean_pixelcnn(ctx):
+    emb, a, b = nn.Embedding(16, 8), _MaskedConv("A", 8, 8, 5, padding=2), \
+        _MaskedConv("B", 8, 8, 3, padding=1)
+    model = nn.ModuleDict({"emb": emb, "a": a, "b": b, "out": nn.Conv2d(8, 16, 1)})
+
+    def forward(codes):
+        h = model["emb"](codes).permute(0, 3, 1, 2)
+        return model["out"](F.relu(model["b"](F.relu(model["a"](h)))))
+
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        codes = torch.randint(0, 16, (4, 8, 8))
+        san.training_forward(codes)
+        loss = F.cross_entropy(forward(codes), codes)
+        opt.zero_grad()
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/copy_task_teacher_forced_transformer", None, None, "transformer", "Adam",
+      "nn.Transformer on the copy task: the target equals the encoder's input by design, the "
+      "decoder reads it shifted right behind a BOS token")
+def _clean_copy(ctx):
+    emb = nn.Embedding(21, 16)
+    tr = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+    out = nn.Linear(16, 21)
+    model = nn.ModuleList([emb, tr, out])
+    opt = torch.optim.Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98))
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        src = torch.randint(0, 20, (8, 12))
+        tgt_in = torch.cat([torch.full((8, 1), 20), src[:, :-1]], 1)
+        san.training_forward(src, tgt_in)
+        mask = nn.Transformer.generate_square_subsequent_mask(12)
+        logits = out(tr(emb(src), emb(tgt_in), tgt_mask=mask))
+        loss = F.cross_entropy(logits.reshape(-1, 21), src.reshape(-1))
+        opt.zero_grad()
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/label_column_dropped_mlp", None, None, "mlp", "RMSprop",
+      "the same table with the label column dropped from the features (target_leak twin)")
+def _clean_table(ctx):
+    _fit_table(ctx, False)
+
+
+@case("clean/cgan_onehot_label_conditioning_gan", None, None, "gan", "Adam x2",
+      "a conditional GAN with an auxiliary classifier: the generator reads noise and the one-hot "
+      "code of a two-valued label (one column equals the label, the other its complement), and "
+      "its loss asks the discriminator for that label")
+def _clean_cgan(ctx):
+    G = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 12))
+    D = nn.Sequential(nn.Linear(12, 32), nn.LeakyReLU(0.2), nn.Linear(32, 3))  # real/fake, class
+    opt_g = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    ctx.attach(G, opt_g, label="G")
+    ctx.attach(D, opt_d, label="D")
+    n = 64
+    for step in range(STEPS):
+        labels = torch.randint(0, 2, (n,))
+        fake = G(torch.cat([torch.randn(n, 8), F.one_hot(labels, 2).float()], 1))
+        out = D(fake)
+        g_loss = F.binary_cross_entropy_with_logits(out[:, :1], torch.ones(n, 1)) + \
+            F.cross_entropy(out[:, 1:], labels)
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        real = torch.randn(n, 12)
+        d_loss = F.binary_cross_entropy_with_logits(D(real)[:, :1], torch.ones(n, 1)) + \
+            F.binary_cross_entropy_with_logits(D(fake.detach())[:, :1], torch.zeros(n, 1))
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
