@@ -268,7 +268,8 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
     no_grad_train_forwards_total += 1;
   }
   (grad_enabled && training ? coverage.training_forwards : coverage.other_forwards) += 1;
-  if (setup.manual && grad_enabled && training) manual_boundary();
+  // Note [Manual-mode steps]: every grad-enabled forward, whatever the module's mode.
+  if (setup.manual && grad_enabled) manual_boundary();
   ForwardView fv;
   fv.step = step;
   fv.grad_enabled = grad_enabled;
@@ -332,7 +333,9 @@ void SanitizerImpl::forward(const ForwardFacts& facts) {
   }
   if (grad_enabled && training) audit->set_inputs(facts.inputs);
   add_overhead(seconds_since(t0));
-  if (grad_enabled && training) audit->begin_forward(step);  // last: our own ops stay out
+  // Note [Op audit]: a grad-enabled forward is audited in any module mode (a model trained in
+  // eval mode is audited on the same schedule). Last: our own ops stay out.
+  if (grad_enabled) audit->begin_forward(step);
 }
 
 void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
@@ -363,8 +366,39 @@ void SanitizerImpl::targets(const std::vector<at::Tensor>& ts) {
   add_overhead(seconds_since(t0));
 }
 
+// Note [Manual-mode steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Without an optimizer (manual mode: a loop that updates p.data by hand, or an optimizer TrainSan
+// cannot see — Keras's, one an integration hides), a step ends at the next grad-enabled forward of
+// the model after a backward produced gradients: the loop has applied its update by then, if it
+// applies one. Every grad-enabled forward counts, in train or eval mode: a model trained in eval
+// mode (frozen BatchNorm statistics, a model.eval() left over from validation) has one step per
+// batch like any other; a forward that no backward follows (validation without no_grad) ends no
+// step, as no gradient was produced since the last one.
+// Such a step need not have applied an update: a loop that accumulates gradients over several
+// backwards (fastai's GradientAccumulation, a closure-driven optimizer) updates at some of them
+// only. A judgement of the update (update_ratio) belongs to a step at which one was applied: the
+// boundary records each watched parameter's version counter, and a step at which none moved
+// since the previous boundary (StepView::unwritten) is judged only where its values changed
+// (a loop that writes through .data moves no version counter; its changes are the update). A
+// step that wrote nothing and changed nothing is not an update of 0: update_ratio neither counts
+// nor breaks its run of low ratios there.
 void SanitizerImpl::manual_boundary() {
   if (grads.any_produced()) step_end(-1, /*lr_zero=*/false, /*manual=*/true);
+}
+
+bool SanitizerImpl::manual_unwritten() {
+  bool moved = manual_versions.size() != params.size();  // unknown (the first step): judged
+  if (!moved) {
+    for (size_t i = 0; i < params.size() && !moved; ++i) {
+      moved = manual_versions[i] != static_cast<int64_t>(params[i].param._version());
+    }
+  }
+  manual_versions.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    manual_versions[i] = static_cast<int64_t>(params[i].param._version());
+  }
+  return !moved;
 }
 
 void SanitizerImpl::loss(const at::Tensor& loss) {
@@ -592,7 +626,8 @@ Coverage SanitizerImpl::coverage_now() const {
             "meta inputs, or inputs on another device than the first)";
       }
     } else if (needs == "audit") {
-      if (c.training_forwards == 0) {
+      // (a grad-enabled forward in eval mode is audited too: Note [Op audit])
+      if (c.training_forwards == 0 && c.audited_forwards == 0) {
         why = no_forward;
       } else if (c.audited_forwards == 0) {
         why = "no training forward was audited (audit_first_steps/audit_every)";

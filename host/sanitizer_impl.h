@@ -54,6 +54,7 @@ struct SanitizerImpl {
   // Events (sanitizer.cpp).
   void forward(const ForwardFacts& facts);
   void manual_boundary();
+  bool manual_unwritten();  // Note [Manual-mode steps]: no parameter written since the last one
   void loss(const at::Tensor& loss);
   void stop_before_step(int64_t opt);  // Note [Device stop] (option device_stop)
   void step_end(int64_t opt, bool lr_zero, bool manual,
@@ -113,6 +114,7 @@ struct SanitizerImpl {
   // --- step state ---
   int64_t step = 0;                      // Note [Step numbering]
   std::map<int64_t, int64_t> opt_steps;  // steps per optimizer (-1: manual mode)
+  std::vector<int64_t> manual_versions;  // the parameters' versions at the last manual boundary
   bool closed = false;
   std::vector<int64_t> in_flight;  // optimizers whose step was in flight at attach (step_in_flight)
   // Note [Gradients read at the step's beginning] (sanitizer_pass.cpp): per optimizer, the lean

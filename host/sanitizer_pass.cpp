@@ -27,6 +27,7 @@ struct SanitizerImpl::Pass {
   int64_t opt = -1;
   bool lr_zero = false;
   bool manual = false;
+  bool unwritten = false;        // Note [Manual-mode steps]
   bool partial = false;          // attached inside this step (step_in_flight)
   std::vector<double> group_lr;  // per param group of the stepping optimizer
   bool hashed = true;          // fingerprints computed (else their column is 0 in last_stats/trace)
@@ -169,6 +170,7 @@ void SanitizerImpl::step_end(int64_t opt, bool lr_zero, bool manual,
   p->opt = opt;
   p->lr_zero = lr_zero;
   p->manual = manual;
+  p->unwritten = manual && manual_unwritten();
   p->group_lr = group_lr;
   if (!manual) {
     const auto it = std::find(in_flight.begin(), in_flight.end(), opt);
@@ -417,6 +419,7 @@ void SanitizerImpl::check_pass(const Pass& p, const std::vector<HostCopy>& copie
   v.opt = p.opt;
   v.lr_zero = p.lr_zero;
   v.manual = p.manual;
+  v.unwritten = p.unwritten;
   v.partial = p.partial;
   v.have_optimizer = have_optimizer;
   v.fp16_in_use = fp16_in_use;

@@ -70,6 +70,11 @@ if [ "${TRAINSAN_SKIP_TEST_DEPS:-0}" != 1 ]; then
   # brings torchvision 0.26.0, built for torch 2.11.0 (so the pinned torch stays), and spacy
   # through fastprogress; about 40 s when missing.
   has fastai || need_test+=("fastai==2.8.12")
+  # tests/python/test_keras.py (Keras 3 on the torch backend: a keras.Model is a torch Module,
+  # trained by Keras's own optimizer in manual mode: Note [Manual mode's model]). keras 3.15.1
+  # requires no torch (absl-py, h5py, ml-dtypes, namex, numpy, optree, packaging, rich), so the
+  # pinned torch stays; the tests set KERAS_BACKEND=torch.
+  has keras || need_test+=("keras==3.15.1")
   if [ ${#need_test[@]} -gt 0 ]; then
     echo "install_deps: pip install ${need_test[*]} (test-only, best effort)"
     if ! "$PY" -m pip install --quiet --disable-pip-version-check \

@@ -61,7 +61,15 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
     tensors are not watched. So is a tensor of the shape and dtype of a trainable parameter of the
     model that no optimizer holds: the parameter it was before a submodule was replaced after the
     optimizer was built (param_not_in_optimizer reports that; watched, it would never get a
-    gradient)."""
+    gradient).
+
+    Note [Placeholder parameters]: a parameter on the meta device holds no values — nothing can
+    compute with it, so no forward that runs uses it, no gradient reaches it and no update changes
+    it. Beside materialised parameters it is a placeholder (a Keras 3 model on the torch backend
+    built by a symbolic call: its layers' own ParameterDicts keep the meta stand-ins of the
+    variables whose real tensors the model's ParameterDict holds), not a tensor to watch: it is
+    left out here and noted by the sanitizer (placeholders). A model whose parameters are all on
+    the meta device is not materialised yet: attach() refuses it (_attach.py)."""
     names, params, opt_index, group_index = [], [], [], []
     where = {}  # id(param) -> (optimizer, group)
     for k, opt in enumerate(optimizers):
@@ -69,6 +77,8 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
             for p in g["params"]:
                 where.setdefault(id(p), (k, gi))
     for name, p in model.named_parameters():
+        if p.is_meta:
+            continue  # a placeholder (above)
         names.append(name)
         params.append(p)
         k, gi = where.get(id(p), (-1, 0))
@@ -103,6 +113,12 @@ def _param_table(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimi
                 group_index.append(gi)
                 outside.append(name)
     return names, params, opt_index, group_index, outside
+
+
+def placeholders(model: torch.nn.Module) -> list:
+    """The names of the model's parameters on the meta device (Note [Placeholder parameters] in
+    _param_table)."""
+    return [n for n, p in model.named_parameters() if p.is_meta]
 
 
 def _mode_dependent(m: torch.nn.Module) -> bool:

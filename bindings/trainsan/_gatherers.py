@@ -119,7 +119,8 @@ class LabelWindow(Gatherer):
         self._handle = handle
 
     def on_forward(self, args: Any, kwargs: Any, train: bool) -> None:
-        if train and self._handle.auditing():
+        # Note [Op audit] (host/audit/observer.cpp): any grad-enabled forward, in either mode.
+        if torch.is_grad_enabled() and self._handle.auditing():
             self._guard.push()
         else:
             self._guard.pop()

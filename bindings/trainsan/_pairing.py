@@ -62,7 +62,29 @@ from ._registry import Patch
 #   whose calls skip the module hooks) the smallest live module holding all of its parameters
 #   (or one _Roots model over the roots holding them) is attached, found through the garbage
 #   collector.
-# At exit, optimizers never attached and optimizer tensors no attached model holds are listed.
+# * Manual mode's model is a guess made at a call (the first top-level call of a module in train
+#   mode with gradients enabled), and the backwards say what the script trains (Note [Manual
+#   mode's model]).
+# At exit, optimizers never attached and optimizer tensors no attached model holds are listed,
+# and so are the parameters a backward reached that no sanitizer watches.
+#
+# Note [Manual mode's model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In a script that builds no optimizer, the module first called at top level in train mode with
+# gradients enabled need not be the model: Keras 3 (torch backend) calls each layer of a model
+# once, at top level, while it builds the model (keras.Input, Sequential), and the model itself
+# holds its layers' variables in a ParameterDict of its own, not through its layers as
+# submodules; a script may call a sub-network alone before the whole. So the backwards check the
+# guess: at the 1st, 2nd, 4th, 8th, ... backward of such a script, the graph of each root is
+# walked to its leaves (walk_loss_graph, Note [Loss roots]), and the parameters it reaches that
+# no sanitizer watches are the model's too. The manual-mode model whose parameters the root
+# reaches is re-attached as the smallest live module holding its parameters and those (of those
+# holding the same, the outermost; or one _Roots model over the roots holding them), before that
+# backward runs, which its new sanitizer sees. Where no manual-mode model is reached (a model
+# trained in eval mode from its first call, which no call attached), the module holding the
+# parameters reached is attached in manual mode the same way. Parameters reached that are still
+# watched by no sanitizer at exit (held by no live module, or by one attach() refused) are named
+# in the closing lines.
 # Each model gets a slot: the first writes --trace PATH, the k-th PATH with .k before the
 # extension (and .rankN before that under torchrun).
 
@@ -77,6 +99,7 @@ class _Pairing:
     _ids: set  # ids of the model's parameters, as of the sanitizer's binding _bound
     replaced: bool = False
     _bound: int = 0
+    why: str = "its optimizers changed"  # why it was replaced
 
     @property
     def ids(self) -> set:
@@ -113,7 +136,8 @@ def _holders(ids: set) -> list:
     best, best_n, some = None, 0, []
     inner = {id(c) for m in mods for c in m.children()}
     for m in mods:
-        own = {id(p) for p in m.parameters()}
+        # (placeholders on the meta device are not counted: Note [Placeholder parameters])
+        own = {id(p) for p in m.parameters() if not p.is_meta}
         if ids <= own:
             if best is None or len(own) < best_n or (
                     len(own) == best_n and any(x is best for x in m.modules())):
@@ -123,6 +147,26 @@ def _holders(ids: set) -> list:
     if best is not None:
         return [best]
     return [m for _, m in sorted(some, key=lambda t: -t[0])]
+
+
+def _param_names(params: list) -> list:
+    """Names for `params` (the closing lines): the script's variable of the root module holding
+    each and its name there, else the root's class; else the script's variable of the parameter,
+    else its shape."""
+    want = {id(p) for p in params}
+    mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    inner = {id(c) for m in mods for c in m.children()}
+    by_id = script_names(torch.nn.Module)
+    named: dict = {}
+    for m in mods:
+        if id(m) in inner:
+            continue
+        for n, p in m.named_parameters():
+            if id(p) in want and id(p) not in named:
+                named[id(p)] = f"{by_id.get(id(m)) or type(m).__name__}.{n}"
+    bare = script_names(torch.Tensor)  # held by no module: the script's variable
+    return [named.get(id(p)) or bare.get(id(p)) or f"a parameter of shape {list(p.shape)}"
+            for p in params]
 
 
 def _call_kwargs(module: torch.nn.Module) -> dict:
@@ -209,6 +253,9 @@ class Pairer:
         self._step_hook = None
         self._installed = False  # holds the load journal, "optimizer_init" and "backward"
         self._like_calls = 0  # grad-enabled top-level calls with no optimizer (_look_for_like)
+        self._manual_backwards = 0  # backwards of a script without optimizers (_manual_reach)
+        # Parameters a walked backward reached that no sanitizer watched then: id -> weakref
+        self._reached: dict = {}
 
     # installation -------------------------------------------------------------------------------
 
@@ -234,12 +281,62 @@ class Pairer:
         self._built_types.append(type(opt).__name__)
         self._sync_hooks()
 
-    def _before_backward(self) -> list:
-        """Before a backward (the "backward" patch, after the open sanitizers saw it): the
-        sanitizers attached for the optimizers still unpaired (Note [Loss roots])."""
-        if self._installed and self._pending() and not _compile.is_compiling():
-            return self._on_backward()
-        return []
+    def _before_backward(self, tensors: Any) -> list:
+        """Before a backward of `tensors` (the "backward" patch, after the open sanitizers saw
+        it): the sanitizers attached for the optimizers still unpaired (Note [Loss roots]), or
+        for what it trains in a script without optimizers (Note [Manual mode's model])."""
+        if not self._installed or _compile.is_compiling():
+            return []
+        made = self._on_backward() if self._pending() else []
+        if not len(self._order):
+            made += self._manual_reach(tensors)
+        return made
+
+    def _manual_reach(self, tensors: Any) -> list:
+        """Note [Manual mode's model]: the sanitizers attached for what this backward trains."""
+        self._manual_backwards += 1
+        n = self._manual_backwards
+        if n & (n - 1):
+            return []
+        roots = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
+        leaves: dict = {}
+        for root in roots:
+            if isinstance(root, torch.Tensor) and root.grad_fn is not None:
+                for t in torch.ops.trainsan.walk_loss_graph(root, [], [])[1]:
+                    if isinstance(t, torch.nn.Parameter) and t.requires_grad and not t.is_meta:
+                        leaves[id(t)] = t
+        watched = self._watched()
+        fresh = {i for i in leaves if i not in watched}
+        if not fresh:
+            return []
+        owner = next((p for p in self._active() if not p.optimizers and p.ids & leaves.keys()),
+                     None)
+        ids = fresh | (owner.ids if owner is not None else set())
+        roots_ = [_compile.unwrap_compiled(m) for m in _holders(ids)]
+        made = []
+        if roots_:
+            model = _one_model(roots_)
+            if owner is not None and model is owner.model:
+                pass  # (it holds them already: watched since, a re-binding's business)
+            elif owner is not None:
+                owner.why = (f"a backward trained {len(fresh)} parameter(s) beyond it: "
+                             f"re-attached to {type(model).__name__}")
+                san = self._attach(model, [], owner)
+                made = [] if san is None else [san._ctx]
+            elif model not in self._skip and trainsan.attached(model) is None:
+                san = self._attach(model, [], None)
+                made = [] if san is None else [san._ctx]
+        watched = self._watched()
+        for i in fresh - watched:
+            self._reached[i] = weakref.ref(leaves[i])
+        return made
+
+    def _watched(self) -> set:
+        """ids of the tensors the attached sanitizers watch."""
+        out: set = set()
+        for p in self._active():
+            out |= p.ids | p.san._ctx.param_ids  # Note [Context]
+        return out
 
     def uninstall(self) -> None:
         self._set_module_hooks(False)
@@ -364,12 +461,13 @@ class Pairer:
 
     def _on_backward(self) -> list:
         """Before the first backward while optimizers are pending: pair them (a forward that
-        skipped the module hooks: model.forward(), model.compile()). The sanitizers made here."""
+        skipped the module hooks: model.forward(), model.compile()). The Contexts of the
+        sanitizers made here."""
         before = len(self.pairings)
         for opt in self._pending():
             if any(o is opt for o in self._pending()):  # (pairing one may have paired others)
                 self._pair(opt, "ran backward() for")
-        return [p.san for p in self.pairings[before:]]
+        return [p.san._ctx for p in self.pairings[before:]]  # (Contexts, as backward_seen reads)
 
     def _pair(self, opt: torch.optim.Optimizer, event: str) -> None:
         """Pairs an optimizer that no training forward paired (Note [Launcher pairing])."""
@@ -414,6 +512,14 @@ class Pairer:
                 lines.append(f"{len(gone)} of the {len(held)} tensors of {type(opt).__name__} "
                              f"(optimizer {n}) are in no attached model: not checked (no live "
                              "module holds them: tensors given to the optimizer directly)")
+        # Note [Manual mode's model]: parameters a backward trained that no sanitizer watches.
+        alive = [r() for i, r in self._reached.items() if i not in covered]
+        alive = [t for t in alive if t is not None]
+        if alive:
+            names = _param_names(alive)
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            lines.append(f"{len(alive)} parameter(s) that a backward reached are in no attached "
+                         f"model: not checked ({shown})")
         return lines
 
     # attaching ----------------------------------------------------------------------------------

@@ -339,8 +339,9 @@ _zero_grad_patch = Patch("zero_grad", ("attach",),
 # that reached none of a sanitizer's parameters but other requires-grad leaves is a foreign
 # backward to it (Note [Foreign backwards], _foreign.py).
 _forward_clock = [0]  # ticks at every training forward of any sanitizer
-# Called by the backward wrapper after the open sanitizers saw the backward: each returns the
-# sanitizers it attached just now (the launcher's Pairer._before_backward), which see it then.
+# Called by the backward wrapper with its roots after the open sanitizers saw the backward: each
+# returns the sanitizers it attached just now (the launcher's Pairer._before_backward), which see
+# it then.
 before_backward: list = []
 
 
@@ -430,7 +431,7 @@ def _loss_roots() -> list:
     def backward(tensors, *args, **kwargs):
         backward_seen(tensors)
         for hook in list(before_backward):  # the launcher's pairing (_pairing.py)
-            made = hook()
+            made = hook(tensors)
             if made:  # attached now, after the open sanitizers were told above: tell them
                 backward_seen(tensors, made)
         return orig_backward(tensors, *args, **kwargs)

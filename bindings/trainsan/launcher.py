@@ -267,7 +267,7 @@ def _describe(p: _Pairing, several: bool) -> str:
     name = type(p.model).__name__ + (f" (model {p.slot + 1})" if several else "")
     opts = ", ".join(type(o).__name__ for o in p.optimizers) or "no optimizer (manual mode)"
     where = f", trace {p.trace}" if p.trace else ""
-    state = " (replaced: its optimizers changed)" if p.replaced else ""
+    state = f" (replaced: {p.why})" if p.replaced else ""
     return f"trainsan run: {name} with {opts}{where}{state}"
 
 

@@ -25,7 +25,7 @@ from . import _compile, _native, _patches
 from ._facts import (_flat_tensors, _fsdp_sharded_ids, _fsdp_unsharded, _group_lrs,
                      _header_extra, _is_dtensor, _local, _loss_targets, _mode_modules,
                      _optimizers_holding_none, _param_table, _skip_frames, _steps_in_flight,
-                     outside_model)
+                     outside_model, placeholders)
 from ._attach_order import _ADDITIVE, _GOES_ON, _user_stacklevel
 from ._context import Context
 from ._faults import absorb, entry, fault_text, warn_fault
@@ -160,6 +160,13 @@ class Sanitizer:
         for msg in holding_none:
             self._note("optimizer_holds_none",
                        msg + _GOES_ON["optimizer_holds_none"].format(policy=policy))
+        meta = placeholders(model)
+        if meta:  # Note [Placeholder parameters] (_facts.py)
+            shown = ", ".join(meta[:4]) + (", ..." if len(meta) > 4 else "")
+            self._note("placeholders",
+                       f"trainsan.attach: {len(meta)} parameter(s) of the attached "
+                       f"{type(model).__name__} are on the meta device beside its materialised "
+                       f"ones ({shown}): placeholders that hold no values, not watched")
         if outside:  # Note [Tensors outside the model] (_facts.py)
             shown = ", ".join(outside[:8]) + (", ..." if len(outside) > 8 else "")
             self._note("outside_model",

@@ -131,6 +131,9 @@ struct StepView {
   int64_t opt = -1;  ///< the stepping optimizer; -1 for the C++ end_step() and manual mode
   bool lr_zero = false;
   bool manual = false;
+  /// Manual mode: no parameter's version moved since the previous boundary (Note [Manual-mode
+  /// steps] in host/sanitizer.cpp): an update is judged only where the values changed.
+  bool unwritten = false;
   bool have_optimizer = true;
   bool fp16_in_use = false;  ///< some forward so far ran under fp16 autocast
   /// The sanitizer was attached inside this step (Sanitizer::step_in_flight): the hooks and the

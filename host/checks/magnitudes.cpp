@@ -41,7 +41,9 @@ void MagnitudeCheck::on_step(const StepView& v) {
     }
   }
   // A ratio that is only a lower bound (a change no sampled element saw) judges only the top of
-  // the band.
+  // the band. A manual-mode step that wrote and changed no parameter applied no update (a
+  // micro-batch of an accumulation): not judged, nor counted (Note [Manual-mode steps]).
+  if (v.unwritten && t.changed == 0) return;
   if (t.any_update && !v.lr_zero && t.ratio_denom > 0.0 && t.grad_norm > 0.0 &&
       !(t.update_lower_bound && t.update_ratio < opts_.update_ratio_low)) {
     const double ratio = t.update_ratio;
