@@ -63,6 +63,10 @@ def _was_read(state: Any) -> bool:
 
 
 def _patches() -> list:
+    # Installed anew: what happened while nobody watched is unknown (a seed seen in an earlier
+    # hold may have been followed by a restore).
+    _history.clear()
+    _read.clear()
     made = []
     for owner in (torch, torch.random):
         orig_seed, orig_set = owner.manual_seed, owner.set_rng_state

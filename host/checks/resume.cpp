@@ -318,7 +318,10 @@ void ResumeCheck::scheduler_restart(const ResumeFacts& f, int64_t step) {
      << r.checkpoint_epoch - r.epoch_then
      << " epoch(s) behind the checkpoint; call scheduler.load_state_dict(...) with the "
         "checkpoint's scheduler state after building it";
-  sink_.add(Kind::optimizer_reset, "", os.str(), f.lr, step, Severity::kError);
+  // Named by its scheduler: a finding of its own next to the first step's warning (the sink
+  // counts a second finding of one kind and subject as a repeat).
+  sink_.add(Kind::optimizer_reset, r.scheduler + " of optimizer " + std::to_string(f.opt), os.str(),
+            f.lr, step, Severity::kError);
 }
 
 }  // namespace trainsan::host

@@ -225,8 +225,10 @@ void ResumeCheck::replayed_order(const ResumeFacts& f, int64_t step) {
   }
   const std::string sampler =
       f.sampler_type.empty() ? std::string("RandomSampler") : f.sampler_type;
+  // Named by the sampler: a finding of its own next to the data position's (the sink counts a
+  // second finding of one kind and subject as a repeat).
   sink_.add(
-      Kind::duplicate_batch, "",
+      Kind::duplicate_batch, sampler,
       "after the resume from the checkpoint (" + ckpt + "), the data loader's " + sampler +
           " drew this pass's order from the global RNG, which was seeded (torch.manual_seed(" +
           std::to_string(f.rng_seed) + ")" +

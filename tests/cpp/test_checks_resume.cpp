@@ -190,6 +190,7 @@ TEST(ReplayedOrder, SeededAndNotRestoredIsReported) {
   c.on_resume(seeded_boundary(), 16);  // torch.manual_seed(42) at the top, before the load
   ASSERT_EQ(sink.calls.size(), 1u);
   EXPECT_EQ(sink.calls[0].kind, Kind::duplicate_batch);
+  EXPECT_EQ(sink.calls[0].tensor, "RandomSampler");  // a subject of its own
   EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
   EXPECT_EQ(sink.calls[0].step, 16);
   EXPECT_EQ(sink.calls[0].value, 2.0);  // the checkpoint's epoch
@@ -205,12 +206,12 @@ TEST(ReplayedOrder, SeededAndNotRestoredIsReported) {
   c.on_resume(f, 0);
   ASSERT_EQ(sink.calls.size(), 2u);
   EXPECT_TRUE(has(sink.calls[1].message, "again after the checkpoint's load"));
-  f = seeded_boundary();  // only a step counter
+  f = seeded_boundary();  // only a step counter, at the end of the first pass of 8
   f.checkpoint_epoch = -1;
-  f.checkpoint_step = 1;
+  f.checkpoint_step = 8;
   c.on_resume(f, 0);
   ASSERT_EQ(sink.calls.size(), 3u);
-  EXPECT_EQ(sink.calls[2].value, 1.0);
+  EXPECT_EQ(sink.calls[2].value, 8.0);
   f = first_forward();  // mid-epoch: both the restarted pass and its order
   f.loader_global_rng = true;
   f.rng_last = "seed";
@@ -297,6 +298,8 @@ TEST(RestartedSchedule, TheRateLeavingTheScheduleIsAnError) {
   c.on_resume(rate_changed(128, 128), 41);  // the warm-up's first rate
   ASSERT_EQ(sink.calls.size(), 2u);
   EXPECT_EQ(sink.calls[1].kind, Kind::optimizer_reset);
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[1].tensor, "LambdaLR of optimizer 0");  // not a repeat of the warning
   EXPECT_EQ(sink.calls[1].severity, Severity::kError);
   EXPECT_EQ(sink.calls[1].step, 41);
   EXPECT_EQ(sink.calls[1].value, 128.0);
