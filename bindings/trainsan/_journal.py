@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _position, _resume_fit
+from . import _position, _resume_fit, _seeds
 from ._findings import TrainingBugError
 from ._patches import _loader_patch, open_sanitizers
 from ._registry import Patch
@@ -44,6 +44,7 @@ class CkptInfo:
     step_key: str = ""
     loader_key: str = ""
     iters_before: int = 0
+    rng_clock: int = 0  # the generator settings seen before it (Note [Replayed order])
 
 
 # [(fingerprints of the dicts in it, ids of the tensors of its state dicts, CkptInfo)], newest
@@ -112,6 +113,7 @@ def _remember(obj: Any) -> None:
     info.progress = ", ".join(progress)
     info.epoch, info.step, info.step_key, info.loader_key = _position.counters(obj)
     info.iters_before = _position.serial()
+    info.rng_clock = _seeds.clock()
     _loaded.append((fps, tids, info))
     del _loaded[:-_REMEMBERED]
 
@@ -483,16 +485,19 @@ _journal_patch = Patch(
 
 
 class _Journal:
-    """The load journal (Note [Load journal]) with the data position's loader numbering: the two
-    patches held together, by a sanitizer ("attach"), the launcher, or watch_loads() ("watch")."""
+    """The load journal (Note [Load journal]) with the data position's loader numbering and the
+    generator's seeding (Note [Replayed order]): the three patches held together, by a sanitizer
+    ("attach"), the launcher, or watch_loads() ("watch")."""
 
     def acquire(self, lifetime: str) -> None:
         _journal_patch.acquire(lifetime)
         _loader_patch.acquire(lifetime)
+        _seeds.rng_patch.acquire(lifetime)
         # The loader classes, at the first hold and any defined since (one walk a hold).
         _guard(_wrap_loader_classes, what="loader loads are not journaled")
 
     def release(self, lifetime: str) -> None:
+        _seeds.rng_patch.release(lifetime)
         _loader_patch.release(lifetime)
         _journal_patch.release(lifetime)
 

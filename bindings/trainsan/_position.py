@@ -16,8 +16,11 @@ from typing import Any, Optional
 
 import torch
 
+from . import _seeds
+
 _serial = [0]  # DataLoader iterators made so far
-_iters: "collections.deque" = collections.deque(maxlen=8)  # (serial, weakref loader, weakref it)
+# (serial, weakref loader, weakref it, the generator's last setting then: _seeds.last())
+_iters: "collections.deque" = collections.deque(maxlen=8)
 _restored: "weakref.WeakSet" = weakref.WeakSet()  # loaders and samplers restored (load_state_dict)
 
 _EPOCH_KEYS = ("epoch", "epochs")
@@ -63,20 +66,42 @@ def iterated(loader: Any, it: Any) -> None:
     and the last few kept by weak reference."""
     try:
         _serial[0] += 1
-        _iters.append((_serial[0], weakref.ref(loader), weakref.ref(it)))
+        _iters.append((_serial[0], weakref.ref(loader), weakref.ref(it), _seeds.last()))
     except TypeError:
         pass
 
 
 def _latest(after: int) -> Optional[tuple]:
-    """(loader, iterator) made last after serial `after` that yielded a batch; None if none."""
-    for s, lref, iref in reversed(_iters):
+    """(loader, iterator, the generator's last setting when it was made) made last after serial
+    `after` that yielded a batch; None if none."""
+    for s, lref, iref, rng in reversed(_iters):
         if s <= after:
             break
         loader, it = lref(), iref()
         if loader is not None and it is not None and getattr(it, "_num_yielded", 0) >= 1:
-            return loader, it
+            return loader, it, rng
     return None
+
+
+def _global_shuffle(loader) -> bool:
+    """Whether the loader shuffles with torch's RandomSampler drawing from the global generator
+    (no generator of its own; Note [Replayed order])."""
+    from torch.utils.data import RandomSampler
+
+    bs = getattr(loader, "batch_sampler", None)
+    sampler = getattr(bs, "sampler", None) if bs is not None else getattr(loader, "sampler", None)
+    return (isinstance(sampler, RandomSampler) and getattr(sampler, "generator", 0) is None
+            and type(sampler).__iter__ is RandomSampler.__iter__)
+
+
+def _rng_facts(info, rng: tuple) -> dict:
+    """The generator's setting before the pass (Note [Replayed order]) against the checkpoint's
+    torch.load."""
+    at, how, seed = rng
+    after = how == "seed" and at > info.rng_clock
+    before = _seeds.seed_before(info.rng_clock) if after else None
+    return dict(rng_last=how, rng_seed=seed, rng_seed_after_load=after,
+                rng_seed_repeats=before is not None and before == seed)
 
 
 def _own_sampler(loader) -> bool:
@@ -121,7 +146,7 @@ def facts(info, restored_any: bool) -> Optional[dict]:
     found = _latest(info.iters_before)
     if found is None:
         return None
-    loader, it = found
+    loader, it, rng = found
     try:
         batches = len(loader) if _own_sampler(loader) else -1
     except TypeError:
@@ -136,7 +161,8 @@ def facts(info, restored_any: bool) -> Optional[dict]:
         loader_batches=batches, loader_yielded=int(getattr(it, "_num_yielded", 0)),
         loader_restored=_restored_loader(loader), sampler_type=type(sampler).__name__,
         sampler_epoch=epoch if (isinstance(epoch, int) and callable(
-            getattr(sampler, "set_epoch", None)) and shuffles) else -1)
+            getattr(sampler, "set_epoch", None)) and shuffles) else -1,
+        loader_global_rng=_global_shuffle(loader), **_rng_facts(info, rng))
 
 
 def _shape(v: Any) -> str:

@@ -50,6 +50,79 @@ def _scheduler_epochs(opt) -> list:
 
 
 
+def _schedulers_of(opt) -> list:
+    """The torch learning-rate schedulers over `opt` (one walk of its referrers, and of a
+    scheduler's __dict__ where that is what refers to it), containers (SequentialLR,
+    ChainedScheduler) before the schedulers they hold."""
+    import gc
+
+    from torch.optim.lr_scheduler import LRScheduler
+
+    found = []
+    for r in gc.get_referrers(opt):
+        if isinstance(r, LRScheduler):
+            cands = [r]
+        elif isinstance(r, dict) and r.get("optimizer") is opt and "last_epoch" in r:
+            cands = [o for o in gc.get_referrers(r)
+                     if isinstance(o, LRScheduler) and getattr(o, "__dict__", None) is r]
+        else:
+            continue
+        for c in cands:
+            if getattr(c, "optimizer", None) is opt and all(c is not x for x in found):
+                found.append(c)
+    inner = {id(x) for c in found for x in (getattr(c, "_schedulers", None) or ())}
+    return [c for c in found if id(c) not in inner] + [c for c in found if id(c) in inner]
+
+
+def _rate_at(sched, epoch: int) -> float:
+    """The first group's rate `sched` sets at `epoch` by its own formula (LambdaLR, and the
+    closed forms of StepLR, CosineAnnealingLR, ...; OneCycleLR, CyclicLR, and SequentialLR of those
+    by its milestones), computed on a copy
+    over copies of the groups (nothing of the scheduler or the optimizer changes); NaN where it
+    has no formula of its epoch (ReduceLROnPlateau, CosineAnnealingWarmRestarts, SequentialLR,
+    a subclass of its own)."""
+    import copy
+    import types
+
+    from torch.optim import lr_scheduler as L
+
+    kind = type(sched)
+    if kind is L.SequentialLR:  # the child in charge at `epoch`, counted from its milestone
+        import bisect
+
+        ms = list(getattr(sched, "_milestones", ()))
+        children = list(getattr(sched, "_schedulers", ()))
+        i = bisect.bisect_right(ms, epoch)
+        if not children or i >= len(children):
+            return math.nan
+        return _rate_at(children[i], epoch - (ms[i - 1] if i > 0 else 0))
+    closed = "_get_closed_form_lr" in vars(kind) and kind.__module__ == L.__name__
+    if not closed and kind not in (L.LambdaLR, L.OneCycleLR, L.CyclicLR):
+        return math.nan
+    try:
+        c = copy.copy(sched)
+        c.optimizer = types.SimpleNamespace(
+            param_groups=[dict(g) for g in sched.optimizer.param_groups])
+        c.last_epoch = epoch
+        c._get_lr_called_within_step = True
+        lrs = c._get_closed_form_lr() if closed else c.get_lr()
+        lr = lrs[0] if lrs else math.nan
+        return float(lr) if isinstance(lr, (int, float)) else math.nan
+    except Exception:  # noqa: BLE001 - a schedule past its end (OneCycleLR), an odd one
+        return math.nan
+
+
+def _last_rate(sched) -> float:
+    last = getattr(sched, "_last_lr", None)
+    lr = last[0] if isinstance(last, (list, tuple)) and last else None
+    return float(lr) if isinstance(lr, (int, float)) else math.nan
+
+
+def _group_rate(opt) -> float:
+    lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+    return float(lr) if isinstance(lr, (int, float)) else math.nan
+
+
 def _stateful(opt: torch.optim.Optimizer) -> bool:
     """Whether the optimizer keeps state across steps (plain SGD does not)."""
     if type(opt) is torch.optim.SGD:
@@ -70,6 +143,10 @@ class ResumeWatch:
         self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
         # optimizer index -> its scheduler's epoch, seen at attach (Note [Loads before attach])
         self._at_attach: dict = {}
+        # optimizer index -> [weakref to its unrestored scheduler, its epoch at the first step,
+        # the checkpoint's scheduler epoch, the rate then]: watched until the rate first changes
+        # (Note [Restarted schedule])
+        self._lr_watch: dict = {}
 
     def _san(self):
         san = self._ref()
@@ -167,6 +244,49 @@ class ResumeWatch:
         k = self._index(opt)
         if k is not None:
             self._sched_restored.add(k)
+            self._lr_watch.pop(k, None)
+
+    def _rate_changed(self, k: int) -> None:
+        """Note [Restarted schedule]: at each step of a watched optimizer, the first change of its
+        rate is sent (kScheduleStep) and ends the watch."""
+        san = self._san()
+        ref, then, saved, before = self._lr_watch[k]
+        sched = ref()
+        if san is None or sched is None:
+            del self._lr_watch[k]
+            return
+        lr = _group_rate(san.optimizers[k])
+        if lr == before or (math.isnan(lr) and math.isnan(before)):
+            return
+        del self._lr_watch[k]
+        now = getattr(sched, "last_epoch", None)
+        now = now if isinstance(now, int) and not isinstance(now, bool) else -1
+        self._send(moment=3, opt=k, lr=lr, scheduler_lr=_last_rate(sched), scheduler_epoch_now=now,
+                   schedule_lr=_rate_at(sched, saved + now - then) if now >= 0 else math.nan)
+
+    def _live_scheduler(self, k: int, opt, info: CkptInfo) -> dict:
+        """ResumeFacts of the scheduler over optimizer k at its first step after a load whose
+        checkpoint holds a scheduler state that was not restored (Note [Restarted schedule]); the
+        watch begins where it is behind the checkpoint's."""
+        scheds = _schedulers_of(opt)
+        if not scheds:
+            return {}
+        def epoch_of(x) -> int:
+            e = getattr(x, "last_epoch", None)
+            return e if isinstance(e, int) and not isinstance(e, bool) else -1
+
+        # The furthest along (a scheduler replaced by another one may linger until the collector
+        # runs; a container, listed first, is at least as far as the schedulers it holds).
+        by_epoch = [x for x in scheds if not math.isnan(_rate_at(x, 0))]
+        sched = max(by_epoch or scheds, key=epoch_of)
+        epoch = epoch_of(sched)
+        if epoch < 0:
+            return {}
+        if by_epoch and k in self._restored and epoch < info.scheduler_epoch:
+            self._lr_watch[k] = [weakref.ref(sched), epoch, info.scheduler_epoch,
+                                 _group_rate(opt)]
+        return dict(scheduler_type=type(sched).__name__, scheduler_epoch_now=epoch,
+                    scheduler_by_epoch=bool(by_epoch))
 
     def seen_at_attach(self) -> None:
         """Note [Loads before attach]: what an attach made without the journal can still see."""
@@ -182,7 +302,10 @@ class ResumeWatch:
                 self._at_attach[k] = epoch
 
     def first_step(self, k: int) -> None:
-        """Before optimizer k's first step after the model's load or its own."""
+        """Before optimizer k's first step after the model's load or its own (and, while its
+        rate is watched, each later one: Note [Restarted schedule])."""
+        if k in self._lr_watch:
+            _guard(self._rate_changed, k, what="the learning rate is not judged")
         at_attach = self._at_attach.pop(k, 0)
         if at_attach and k not in self._restored:
             san = self._san()
@@ -210,14 +333,23 @@ class ResumeWatch:
             return
         facts.update(_resume_fit.fine_tune_facts(opt, e.wrote, info.optimizers))
         with_state = sum(1 for g in opt.param_groups for p in g["params"] if opt.state.get(p))
-        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        lr = float(lr) if isinstance(lr, (int, float)) else math.nan
+        lr = _group_rate(opt)
         sched_ok = k in self._sched_restored
+        self._lr_watch.pop(k, None)
+        if info.scheduler_epoch > 0 and not sched_ok:
+            facts.update(_live_scheduler_facts(self, k, opt, info))
         self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, progress=info.progress,
                    optimizer_with_state=with_state, scheduler_epoch=info.scheduler_epoch,
                    checkpoint_has_optimizer_state=info.has_optimizer_state,
                    optimizer_restored=k in self._restored, stateful=_stateful(opt),
                    scheduler_restored=sched_ok, lr=lr, checkpoint_lr=info.lr, **facts)
+
+
+def _live_scheduler_facts(watch: ResumeWatch, k: int, opt, info: CkptInfo) -> dict:
+    try:
+        return watch._live_scheduler(k, opt, info)
+    except Exception:  # noqa: BLE001 - never fail the user's step over this: no scheduler facts
+        return {}
 
 
 def _prefix(missing: list, unexpected: list) -> tuple:

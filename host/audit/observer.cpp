@@ -20,11 +20,11 @@ namespace trainsan::host {
 // What is observed: one global ATen RecordFunction callback (scopes FUNCTION, with inputs and
 // outputs, and BACKWARD_FUNCTION), added the first time any sanitizer audits and removed when the
 // last open sanitizer closes. It is disabled (at::disableCallback: the dispatcher's fast path, no
-// boxing) except while at least one sanitizer audits, i.e. from the grad-enabled forward of a sampled
-// step, in train or eval mode alike (a model trained in eval mode stays on the schedule; Python:
-// the root module's forward pre-hook; C++: begin_step) to the start of backward (the
-// first autograd node to run, seen at scope BACKWARD_FUNCTION; the gradient hooks and the step
-// end stop it too). Sampled steps: the first audit_first_steps steps, then every audit_every-th.
+// boxing) except while at least one sanitizer audits, i.e. from the grad-enabled forward of a
+// sampled step, in train or eval mode alike (a model trained in eval mode stays on the schedule;
+// Python: the root module's forward pre-hook; C++: begin_step) to the start of backward (the first
+// autograd node to run, seen at scope BACKWARD_FUNCTION; the gradient hooks and the step end stop
+// it too). Sampled steps: the first audit_first_steps steps, then every audit_every-th.
 //
 // Which ops count: only calls made on the thread that started the audit, with grad mode on (so
 // no_grad validation and backward are out), that are not issued from inside another op's

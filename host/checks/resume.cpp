@@ -27,7 +27,9 @@ namespace trainsan::host {
 //     after optimizer.load_state_dict sets its initial rate). Where either rate is unknown, or they
 //     agree (the optimizer's state restored the saved rate: the restart comes at the scheduler's
 //     next step; a constant schedule), or the optimizer was not restored either (that error
-//     explains the rate), it stays a warning. None of this for a fine-tune.
+//     explains the rate), it stays a warning. None of this for a fine-tune, nor where the live
+//     scheduler is at or past the checkpoint's epoch (rebuilt there: last_epoch=...). Where the
+//     restarted schedule takes effect later: Note [Restarted schedule].
 // Fine-tuning from pretrained weights (a checkpoint without optimizer state) is none of these.
 // Fine-tuning from a checkpoint that holds its pretraining's optimizer and scheduler (torchvision
 // and HF recipes save {"model", "optimizer", "epoch"} and fine-tune from it) leaves them unloaded
@@ -74,6 +76,45 @@ namespace trainsan::host {
 // legitimate: it is not reported); so are layers it left at their initial values while the state
 // dict holds their tensors under other names (Note [Renamed layers], resume_data.cpp). At the
 // first training forward after the model's load: the data position (Note [Data position]).
+
+// Note [Restarted schedule]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A resume that restores the model and the optimizer but rebuilds the learning-rate scheduler
+// without scheduler.load_state_dict is judged twice. At the optimizer's first step the restored
+// rate usually still holds (optimizer.load_state_dict brought the saved "lr" back; a scheduler
+// built after it has set its own first rate already: the jump of Note [Resume checks], an error
+// there): a warning that the schedule restarts. The bug takes effect at the scheduler's first
+// step after the resume: the fresh schedule sets the rate of its own epoch 1 — a warm-up's first
+// rate, a cosine's peak, a step decay counted from zero — where the checkpoint's schedule was at
+// its epoch E. So the first later step whose rate differs from the previous step's is judged
+// (kScheduleStep; the Python package sends one, for an optimizer it watches after such a first
+// step): an error naming the scheduler when
+//   * at the first step, the live scheduler of this optimizer (scheduler_type) was found at an
+//     epoch below the checkpoint's (scheduler_epoch_now < scheduler_epoch: it restarted), its rate
+//     at an epoch can be computed (scheduler_by_epoch: LambdaLR, and the closed forms of StepLR,
+//     CosineAnnealingLR, OneCycleLR, ...; not ReduceLROnPlateau, which lowers whatever rate it
+//     finds, so a fresh one continues from the restored rate), the optimizer was restored (a
+//     forgotten optimizer is its own error, and a fine-tune with a new optimizer builds a new
+//     schedule on purpose) and the rate had not jumped yet (that was the error already);
+//   * the scheduler set the new rate (the group's rate is the scheduler's last rate): a rate set by
+//     hand after the resume is the user's own choice (a documented new value) and ends the watch
+//     silently, as does a first change that agrees with the checkpoint's schedule (below);
+//   * the new rate differs by more than kLrJump (relative) from the rate the checkpoint's schedule
+//     has at this step (schedule_lr: the live scheduler's own formula evaluated at the checkpoint's
+//     epoch plus the epochs it stepped since the resume — the rate a restored scheduler would have
+//     set). A scheduler that multiplies the rate it finds (ExponentialLR, StepLR: chainable forms)
+//     continues from the restored rate: its changes land on the checkpoint's schedule (StepLR
+//     decays late, and agrees again where it does): silent.
+// Only that first change is judged (one event per resume): CosineAnnealingLR's recursive step from
+// the restored rate moves it by far less than kLrJump from the checkpoint's schedule, and the
+// first step's warning is all it gets.
+// Silent: a restored scheduler (nothing watched), one rebuilt at the checkpoint's epoch
+// (StepLR(..., last_epoch=restored_epoch): scheduler_epoch_now >= scheduler_epoch — not even
+// today's first-step warning), a fine-tune, ReduceLROnPlateau, a constant schedule (its rate never
+// changes: the warning alone), a rate set by hand. Where no live scheduler is found
+// (scheduler_epoch_now = -1: a scheduler of another library) the first step's warning is all.
+// LibTorch's schedulers keep no state to save (torch::optim::LRScheduler has no state_dict), so
+// trainsan::load gathers none of these facts; a program can send them with Sanitizer::resume().
 
 namespace {
 
@@ -202,12 +243,19 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
                       "— save the state_dict() of the optimizer that trained",
                   std::nullopt, step);
       }
-      if (f.scheduler_epoch > 0 && !f.scheduler_restored && !fine_tune) {
+      restarts_.erase(f.opt);  // a new resume of this optimizer
+      // A scheduler rebuilt at the checkpoint's epoch (last_epoch=...) is positioned: silent.
+      if (f.scheduler_epoch > 0 && !f.scheduler_restored && !fine_tune &&
+          f.scheduler_epoch_now < f.scheduler_epoch) {
         const bool jumped = !forgotten && lr_jumped(f.lr, f.checkpoint_lr);
         std::ostringstream os;
         os << "the checkpoint holds a learning-rate scheduler's state at epoch "
            << f.scheduler_epoch << ", but no scheduler of " << opt
-           << " was restored (scheduler.load_state_dict): the schedule restarts";
+           << " was restored (scheduler.load_state_dict)";
+        if (!f.scheduler_type.empty() && f.scheduler_epoch_now >= 0) {
+          os << " — its " << f.scheduler_type << " is at epoch " << f.scheduler_epoch_now;
+        }
+        os << ": the schedule restarts";
         if (jumped) {
           os << " — the learning rate jumped from " << fmt(f.checkpoint_lr) << " when saved to "
              << fmt(f.lr) << " at this step";
@@ -219,6 +267,12 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
         if (jumped) os << " (scheduler.load_state_dict after building it)";
         sink_.add(Kind::optimizer_reset, "", os.str(), f.lr, step,
                   jumped ? Severity::kError : Severity::kWarning);
+        // Note [Restarted schedule]: watched until the rate first changes.
+        if (!jumped && !forgotten && f.optimizer_restored && f.scheduler_by_epoch &&
+            !f.scheduler_type.empty() && f.scheduler_epoch_now >= 0) {
+          restarts_[f.opt] = Restart{f.scheduler_epoch, f.scheduler_epoch_now, f.checkpoint_lr,
+                                     f.scheduler_type, opt};
+        }
       }
       if (slots_moved(f, opt, step)) return;  // Note [Optimizer slots by name]
       std::string first;
@@ -240,7 +294,37 @@ void ResumeCheck::on_resume(const ResumeFacts& f, int64_t step) {
       }
       return;
     }
+    case M::kScheduleStep:
+      scheduler_restart(f, step);
+      return;
   }
+}
+
+void ResumeCheck::scheduler_restart(const ResumeFacts& f, int64_t step) {
+  const auto it = restarts_.find(f.opt);
+  if (it == restarts_.end()) return;
+  const Restart r = it->second;
+  restarts_.erase(it);  // the first change of the rate decides (Note [Restarted schedule])
+  const bool by_scheduler =
+      !std::isnan(f.lr) && !std::isnan(f.scheduler_lr) && !lr_jumped(f.lr, f.scheduler_lr);
+  if (!by_scheduler || std::isnan(f.schedule_lr) || !lr_jumped(f.lr, f.schedule_lr)) return;
+  const int64_t now = f.scheduler_epoch_now >= 0 ? f.scheduler_epoch_now : r.epoch_then;
+  std::ostringstream os;
+  os << "the learning-rate scheduler " << r.scheduler << " of " << r.opt
+     << " was rebuilt but not restored after the resume, and its restarted schedule took "
+        "effect at this step: it set the learning rate to "
+     << fmt(f.lr) << " (its epoch " << now << "), where the checkpoint's schedule is at epoch "
+     << r.checkpoint_epoch + (now - r.epoch_then) << " with " << fmt(f.schedule_lr)
+     << " (it was saved at epoch " << r.checkpoint_epoch << " with " << fmt(r.checkpoint_lr)
+     << ") — the run follows its schedule from the start again (a warm-up, a cosine's peak, "
+        "decays counted from zero), "
+     << r.checkpoint_epoch - r.epoch_then
+     << " epoch(s) behind the checkpoint; call scheduler.load_state_dict(...) with the "
+        "checkpoint's scheduler state after building it";
+  // Named by its scheduler: a finding of its own next to the first step's warning (the sink
+  // counts a second finding of one kind and subject as a repeat).
+  sink_.add(Kind::optimizer_reset, r.scheduler + " of optimizer " + std::to_string(f.opt), os.str(),
+            f.lr, step, Severity::kError);
 }
 
 }  // namespace trainsan::host

@@ -90,8 +90,40 @@ namespace trainsan::host {
 //    is the case this cannot tell from a correct resume.
 // A resume at an epoch boundary with set_epoch(restored epoch), a restored loader, a skip by
 // hand, fine-tuning and checkpoints without counters stay silent. A sampler reseeded from the
-// global RNG (RandomSampler without a generator, the RNG not restored) is not seen here: it needs
-// the trace (resume_trace).
+// global RNG (RandomSampler without a generator, the RNG not restored): Note [Replayed order].
+
+// Note [Replayed order]
+// ~~~~~~~~~~~~~~~~~~~~~
+// torch's RandomSampler without a generator of its own draws each pass's permutation from a seed
+// it takes from the global CPU generator when the pass begins (and the iterator's base seed for
+// the workers too). A resumed job runs the same script: it seeds with the run's seed
+// (torch.manual_seed, transformers' set_seed, lightning's seed_everything), builds the model,
+// restores the checkpoint's model, optimizer and counters, and starts its loop at the restored
+// epoch. If the checkpoint's RNG state is not restored, the generator went through the same draws
+// since the same seed as in the first run, so the resumed epoch draws the permutation of the
+// first run's first epoch (and, after it, its second...), and every dropout mask of the first
+// steps again: the resumed run trains epoch 0's order at epoch E, and a mid-epoch resume that
+// skips the consumed batches by hand skips batches of the wrong order (some samples twice, others
+// never). The trace's replay rule (Note [Replayed data]) sees it only with the previous run's
+// trace; in process the facts are how the global generator was last set before the pass began
+// (the Python package watches torch.manual_seed, torch.set_rng_state and torch.seed while the load
+// journal is held: Note [Load journal]). duplicate_batch (warning) at the first training forward
+// after the model's load when
+//   * the run is resumed (the checkpoint holds an optimizer state, an optimizer was restored from
+//     it, and an epoch or step counter above 0), the loader was not restored and fed this forward;
+//   * it shuffles with torch's RandomSampler drawing from the global generator;
+//   * the generator was last set by torch.manual_seed, before the checkpoint's torch.load (the
+//     run's seed, set at the start) or after it to the value of the seed set before it (the run's
+//     seed again).
+// Silent: the RNG restored (torch.set_rng_state of a saved state: HF's Trainer, accelerate's
+// load_state and Lightning restore it), a sampler or loader restored (load_state_dict), a seed
+// that changed after the load (torch.manual_seed(seed + epoch) per epoch: the epoch is in the
+// seed), a loader with a generator of its own (DataLoader(generator=g), seeded per epoch or not:
+// not seen), a DistributedSampler (seeded with its seed + set_epoch's epoch: the sampler-epoch rule
+// above), torch.seed() (a random seed: no replay), an RNG whose seeding was not seen (an explicit
+// attach after the seed without trainsan.watch_loads(): rng_last is ""), a fine-tune, a first run.
+// A generator seeded once and given to the loader replays the same way and is not seen (torch's
+// Generator.manual_seed cannot be watched).
 
 namespace {
 
@@ -248,6 +280,7 @@ void ResumeCheck::data_position(const ResumeFacts& f, int64_t step) {
                   "consumed batches (itertools.islice(loader, start, None))",
               static_cast<double>(f.checkpoint_step), step);
   }
+  replayed_order(f, step);
   if (f.sampler_epoch >= 0 && f.checkpoint_epoch > 0 && f.sampler_epoch < f.checkpoint_epoch) {
     sink_.add(Kind::duplicate_batch, "",
               "after the resume, the data loader's " + sampler + " is at epoch " +
@@ -257,6 +290,38 @@ void ResumeCheck::data_position(const ResumeFacts& f, int64_t step) {
                   "restored epoch counter at the start of each epoch",
               static_cast<double>(f.sampler_epoch), step);
   }
+}
+
+void ResumeCheck::replayed_order(const ResumeFacts& f, int64_t step) {
+  // data_position has checked the resume of training and the loader not restored.
+  if (!f.loader_global_rng || f.rng_last != "seed" ||
+      (f.rng_seed_after_load && !f.rng_seed_repeats) ||
+      (f.checkpoint_epoch <= 0 && f.checkpoint_step <= 0)) {
+    return;
+  }
+  std::string ckpt;
+  if (f.checkpoint_epoch >= 0) ckpt = "epoch=" + std::to_string(f.checkpoint_epoch);
+  if (f.checkpoint_step >= 0) {
+    ckpt += (ckpt.empty() ? "" : ", ") + (f.step_key.empty() ? std::string("step") : f.step_key) +
+            "=" + std::to_string(f.checkpoint_step);
+  }
+  const std::string sampler =
+      f.sampler_type.empty() ? std::string("RandomSampler") : f.sampler_type;
+  // Named by the sampler: a finding of its own next to the data position's (the sink counts a
+  // second finding of one kind and subject as a repeat).
+  sink_.add(
+      Kind::duplicate_batch, sampler,
+      "after the resume from the checkpoint (" + ckpt + "), the data loader's " + sampler +
+          " drew this pass's order from the global RNG, which was seeded (torch.manual_seed(" +
+          std::to_string(f.rng_seed) + ")" +
+          (f.rng_seed_after_load ? ", again after the checkpoint's load" : "") +
+          ") and not restored: the resumed run draws its order from the same seeded state "
+          "as a fresh run — the first epoch's order again (and its dropout masks), not the "
+          "order that follows the checkpoint — save torch.get_rng_state() in the "
+          "checkpoint and restore it with torch.set_rng_state(...), or put the epoch in "
+          "the seed (torch.manual_seed(seed + epoch) at each epoch, or "
+          "DataLoader(generator=torch.Generator().manual_seed(seed + epoch)))",
+      static_cast<double>(f.checkpoint_epoch >= 0 ? f.checkpoint_epoch : f.checkpoint_step), step);
 }
 
 }  // namespace trainsan::host

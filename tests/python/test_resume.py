@@ -4,7 +4,8 @@ bad_checkpoint (Note [Resume checks] in host/checks/resume.cpp).
 
 Bugs, each found: the optimizer not restored from a checkpoint that holds its state (error), an
 optimizer restored with the empty state of a fresh one (error), the scheduler not restored
-(warning), optimizer state loaded into parameters in another order (error), strict=False loading
+(a warning, then an error where its warm-up restarts), optimizer state loaded into parameters in
+another order (error), strict=False loading
 nothing because of a key prefix, strict=False leaving a frozen parameter at its initial value.
 Legitimate, silent: a full resume (model, optimizer, scheduler, RNG) in either order, fine-tuning
 from pretrained weights with a fresh optimizer, a backbone loaded into a model with a new head
@@ -102,11 +103,14 @@ def test_optimizer_restored_empty_is_found(ckpt):
     assert f.severity == "error" and "was restored with an empty state" in f.message
 
 
-def test_scheduler_not_restored_is_a_warning(ckpt):
+def test_scheduler_not_restored_is_a_warning_then_an_error(ckpt):
     san = resume(ckpt[0], load_sched=False)
-    (f,) = found(san, "optimizer_reset")
-    assert f.severity == "warning"
+    f, g = found(san, "optimizer_reset")
+    assert f.severity == "warning" and f.step == 0
     assert "scheduler's state at epoch 5" in f.message and "the schedule restarts" in f.message
+    # Note [Restarted schedule]: the fresh warm-up takes effect at the scheduler's first step.
+    assert (g.severity, g.step) == ("error", 1)
+    assert "the learning-rate scheduler LambdaLR of optimizer 0 (AdamW)" in g.message
 
 
 def test_fine_tuning_from_weights_is_silent(ckpt):

@@ -202,20 +202,24 @@ def train_step(model, optimizer, x, y):
 
 
 def first_run(path, steps, sampler=None, save_loader=False):
-    """Train `steps` batches (epochs of 8), then save model, optimizer, epoch and step."""
+    """Train `steps` batches (epochs of 8), then save model, optimizer, epoch and step, and the
+    RNG state at the start of the epoch in progress (what its shuffle drew from: Note [Replayed
+    order])."""
     model, optimizer = build()
     loader = DataLoader(DATA, batch_size=8, shuffle=sampler is None, sampler=sampler)
     step = 0
     while step < steps:
         if sampler is not None:
             sampler.set_epoch(step // len(loader))
+        rng = torch.get_rng_state()
         for x, y in loader:
             train_step(model, optimizer, x, y)
             step += 1
             if step == steps:
                 break
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": step // len(loader), "step": step}
+             "epoch": step // len(loader), "step": step,
+             "rng": rng if step % len(loader) else torch.get_rng_state()}
     if save_loader:
         state["sampler"] = {"position": step % len(loader)}
     torch.save(state, path)
@@ -231,6 +235,8 @@ def resumed(path, how, sampler=None, attach="after", steps=3, restore_optimizer=
     if restore_optimizer:
         optimizer.load_state_dict(ckpt["optimizer"])
     start_epoch, step = ckpt.get("epoch", 0), ckpt.get("step", 0)
+    if "rng" in ckpt:
+        torch.set_rng_state(ckpt["rng"])  # the order of the epoch in progress
     if how == "restored":
         sampler.load_state_dict(ckpt["sampler"])
     loader = DataLoader(DATA, batch_size=8, shuffle=sampler is None, sampler=sampler)

@@ -312,7 +312,7 @@ def test_scheduler_built_after_the_optimizer_load(pretrained, restored):
         in f.message, f.message
 
 
-def test_scheduler_forgotten_with_the_rate_restored_stays_a_warning(pretrained):
+def test_scheduler_forgotten_with_the_rate_restored_is_a_warning_then_an_error(pretrained):
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = warmup(opt)
@@ -322,9 +322,14 @@ def test_scheduler_forgotten_with_the_rate_restored_stays_a_warning(pretrained):
     san = trainsan.attach(model, opt, policy="record")
     mlp_steps(model, opt, sched, 3, seed=1)
     san.close()
-    (f,) = san.findings
-    assert f.severity == "warning" and "the learning rate is 0.00075 at this step, 0.00075 " \
-        "when saved" in f.message, f.message
+    f, g = san.findings
+    assert f.severity == "warning" and f.step == 0 and "the learning rate is 0.00075 at this " \
+        "step, 0.00075 when saved" in f.message, f.message
+    # Note [Restarted schedule]: the scheduler's next step restarts the warm-up (epoch 1: 2/8 of
+    # 1e-3), where the checkpoint's schedule is at epoch 6 (7/8 of it).
+    assert (g.kind, g.severity, g.step) == ("optimizer_reset", "error", 1)
+    assert "it set the learning rate to 0.00025 (its epoch 1), where the checkpoint's schedule " \
+        "is at epoch 6 with 0.000875" in g.message, g.message
 
 
 # -- fine-tuning from a checkpoint that holds the pretraining's optimizer -------------------------

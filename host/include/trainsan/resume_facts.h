@@ -25,6 +25,7 @@ struct ResumeFacts {
     kModelLoad = 0,      ///< model.load_state_dict returned (strict=False: what it dropped)
     kOptimizerLoad = 1,  ///< optimizer.load_state_dict returned: the state against the parameters
     kFirstStep = 2,      ///< the first step of an optimizer after the model's or its own load
+    kScheduleStep = 3,   ///< a later step whose learning rate changed (Note [Restarted schedule])
   };
 #define TRAINSAN_FACT TRAINSAN_FACT_FIELD
 #include "trainsan/resume_facts.def"
@@ -33,7 +34,7 @@ struct ResumeFacts {
 
 template <>
 struct FactEnum<ResumeFacts::Moment> {
-  static constexpr int64_t kMax = 2;
+  static constexpr int64_t kMax = 3;
 };
 
 template <>

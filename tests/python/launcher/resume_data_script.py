@@ -5,9 +5,9 @@ TrainSan (a launcher test script).
     python resume_data_script.py --resume ckpt.pt [--steps N] [--bug restart|refactor]
 
 --save trains N steps over a shuffled DataLoader of 8 batches a pass and saves model, optimizer,
-epoch and step; --resume restores them (torch.load, then load_state_dict of each) before the first
-forward and trains N more, skipping the batches of the epoch the checkpoint had trained
-(itertools.islice).
+epoch and step, and the RNG state the epoch in progress shuffled from; --resume restores them
+(torch.load, then load_state_dict of each, torch.set_rng_state) before the first forward and
+trains N more, skipping the batches of the epoch the checkpoint had trained (itertools.islice).
 --bug restart: the loader restarts at the epoch's first batch (TrainSan: duplicate_batch).
 --bug refactor: the model's blocks were renamed since the checkpoint, loaded with strict=False
 (TrainSan: bad_checkpoint naming the layers left at their initialisation).
@@ -68,9 +68,11 @@ if args.resume:
     model.load_state_dict(checkpoint["model"], strict=args.bug != "refactor")
     optimizer.load_state_dict(checkpoint["optimizer"])
     epoch, step = checkpoint["epoch"], checkpoint["step"]
+    torch.set_rng_state(checkpoint["rng"])
 
 end = step + args.steps
 while step < end:
+    rng = torch.get_rng_state()  # what this epoch's shuffle draws from
     skip = 0 if args.bug == "restart" else step % len(loader)
     for x, y in itertools.islice(loader, skip, None):
         optimizer.zero_grad()
@@ -84,5 +86,6 @@ while step < end:
 
 if args.save:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "epoch": epoch, "step": step}, args.save)
+                "epoch": epoch, "step": step,
+                "rng": rng if step % len(loader) else torch.get_rng_state()}, args.save)
 print("done")
