@@ -56,13 +56,29 @@ bool updates_in_place(std::string_view name) {
 void drop_disarmed();
 void drop(const std::shared_ptr<ForwardWatch::State>& s);
 
-// A backward's root as Tensor::backward() passes it: one element with a graph.
+// A loss as the program reads it: one element with a graph.
 at::Tensor backward_root(const at::RecordFunction& fn) {
   const auto in = fn.inputs();
   if (in.empty() || !in[0].isTensor()) return {};
   const at::Tensor& t = in[0].toTensor();
   if (!t.defined() || t.numel() != 1 || !t.requires_grad() || !t.grad_fn()) return {};
   return t;
+}
+
+// Whether an in-place op writes one of the watched parameters (its first argument, or the first
+// tensor of its first list: _foreach_*).
+bool writes_parameter(const ForwardWatch::State& s, const at::RecordFunction& fn) {
+  const auto in = fn.inputs();
+  if (in.empty()) return false;
+  at::Tensor t;
+  if (in[0].isTensor()) {
+    t = in[0].toTensor();
+  } else if (in[0].isTensorList()) {
+    const auto list = in[0].toTensorList();
+    if (list.size() > 0) t = list.get(0);
+  }
+  return t.defined() && t.has_storage() &&
+         s.storages.count(t.storage().unsafeGetStorageImpl()) != 0;
 }
 
 // What one op tells one watch; the callbacks to call are gathered and called after the loop
@@ -86,15 +102,13 @@ void look(ForwardWatch::State& s, const at::RecordFunction& fn, bool backward_no
     return;
   }
   if (backward_node || backward_entry) {
-    // The first backward after a training forward: its root at Tensor::backward()'s entry; an
-    // autograd node first (torch::autograd::backward, autograd::grad) ends the wait for it.
-    if (s.trained && !s.backward_done) {
-      s.backward_done = true;
-      if (backward_entry && s.on_backward) {
-        at::Tensor root = backward_root(fn);
-        if (root.defined()) fire->push_back({keep, {}, 0, std::move(root)});
-      }
-    }
+    // The backward began (on this thread: a CPU backward): no loss read before it is to come.
+    if (s.trained) s.backward_done = true;
+  } else if (in_place) {
+    // An update of a parameter (the optimizer's step; LibTorch's writes through .data(), a view
+    // of the same storage): the backward is over, wherever it ran (a CUDA backward runs on the
+    // device's thread, which this callback does not see).
+    if (s.trained && !s.backward_done && writes_parameter(s, fn)) s.backward_done = true;
   } else if (reads_value) {
     // `AT_ASSERT(!std::isnan(loss.item<float>()))` before loss.backward() (pytorch/examples'
     // MNIST): a one-element tensor with a graph, read after a training forward and before the
@@ -150,7 +164,8 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   const auto t0 = Clock::now();
   const bool backward_node = fn.scope() == at::RecordScope::BACKWARD_FUNCTION;
   const std::string_view name = backward_node ? std::string_view() : std::string_view(fn.name());
-  const bool backward_entry = name == "aten::_backward";
+  // A backward that began on this thread (CPU): its nodes, or the engine's record of one.
+  const bool backward_entry = name.rfind("autograd::engine::evaluate_function", 0) == 0;
   const bool reads_value = name == "aten::item";
   const bool in_place = !backward_node && updates_in_place(name);
   std::vector<Fire> fire;
@@ -186,8 +201,6 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
             drop(f.s);
           }
         }
-      } else if (f.root.defined()) {
-        f.s->on_backward(f.root);
       } else {
         f.s->on_forward(std::move(f.batch), f.group);
       }

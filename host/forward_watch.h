@@ -1,9 +1,9 @@
 // ForwardWatch: sees a model's forward in a LibTorch program, which has no module hooks, at its
-// first op that reads one of the model's parameters together with a batch, and the loss of that
-// forward at its backward (Note [C++ attach] in host/attach.cpp). A thread-local RecordFunction
-// callback, registered only while armed: from the end of a step until the step's training
-// forwards and its first backward were seen, so the rest of the backward and the optimizer step
-// of a healthy loop run without it.
+// first op that reads one of the model's parameters together with a batch, and a non-finite loss
+// the program reads before its backward (Note [C++ attach] in host/attach.cpp). A thread-local
+// RecordFunction callback, registered only while armed: from the end of a step until the step's
+// training forwards were seen and its backward began, so the rest of the backward and the
+// optimizer step of a healthy loop run without it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,12 +25,13 @@ class ForwardWatch {
   /// the model made of it before its first parameter). Per group: called once under no_grad,
   /// and once under grad mode, after which that group is done.
   using OnForward = std::function<void(std::vector<at::Tensor> batch, int64_t group)>;
-  /// Called at the entry of the first `Tensor::backward()` (aten::_backward) after a grad-enabled
-  /// forward, before the backward runs, with its root: a one-element tensor with a graph.
+  /// Called when the program reads (Tensor::item()) a one-element tensor with a graph between a
+  /// grad-enabled forward and the backward, and its value is not finite: the step's loss, about
+  /// to be asserted on (Note [C++ attach]).
   using OnBackward = std::function<void(const at::Tensor& root)>;
   /// Bounds on the ops the callback looks at (Note [C++ attach]): since arm() while no
   /// grad-enabled forward came (a validation pass, data loading, the program's end), and since
-  /// the first grad-enabled forward while a group or the backward is still to come.
+  /// the first grad-enabled forward while a group's forward or the backward is still to come.
   static constexpr int64_t kMaxIdleOps = int64_t{1} << 22;
   static constexpr int64_t kMaxOpsAfterForward = int64_t{1} << 15;
 

@@ -167,7 +167,7 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
         [this](std::vector<at::Tensor> batch, int64_t opt) {
           forward_seen(std::move(batch), have_optimizer ? opt : -1);
         },
-        [this](const at::Tensor& root) { backward_seen(root); });
+        [this](const at::Tensor& root) { loss_read(root); });
     watch->arm();
   }
 }
@@ -189,11 +189,12 @@ void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   forward(f);
 }
 
-// Note [C++ attach]'s loss: the root of the step's first Tensor::backward(), at its entry.
-// Inside that op's dispatch: nothing here may throw into it; a finding is written to the trace
-// at once (one write(2) a line) and printed under policies warn and raise, before a program that
-// asserts on its loss after the backward can abort; "raise" raises at the next event.
-void SanitizerImpl::backward_seen(const at::Tensor& root) {
+// Note [C++ attach]'s loss: a non-finite one-element tensor with a graph that the program reads
+// (item()) between a training forward and the backward. Inside that op's dispatch: nothing here
+// may throw into it; a finding is written to the trace at once (one write(2) a line) and printed
+// under policies warn and raise, before a program that asserts on the value can abort; "raise"
+// raises at the next event.
+void SanitizerImpl::loss_read(const at::Tensor& root) {
   if (closed || !fault.empty() || grads.in_step()) return;  // a closure's backward: its step's
   const OwnClock clock(time);                               // Note [Own time]
   try {

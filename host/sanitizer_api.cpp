@@ -157,7 +157,7 @@ void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
     bool backward_ran = false;
     for (const at::Tensor& loss : losses) {
       if (!loss.defined()) continue;
-      // trainsan::attach checked it at its backward already (Note [C++ attach]).
+      // trainsan::attach checked it when the program read it (Note [C++ attach]).
       if (!impl_->watch || !impl_->loss_seen_at_backward(loss)) impl_->loss(loss);
       backward_ran = backward_ran || loss.requires_grad();
     }
