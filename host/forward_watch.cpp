@@ -42,11 +42,16 @@ using Clock = std::chrono::steady_clock;
 struct ThreadWatches {
   std::vector<std::shared_ptr<ForwardWatch::State>> armed;
   at::CallbackHandle handle = at::INVALID_CALLBACK_HANDLE;
-  ~ThreadWatches() {
-    if (handle != at::INVALID_CALLBACK_HANDLE) at::removeCallback(handle);
-  }
+  ~ThreadWatches();
 };
 thread_local ThreadWatches t_watches;
+
+bool registered(at::CallbackHandle handle);
+void remove_callback_if_idle();
+
+ThreadWatches::~ThreadWatches() {
+  if (registered(handle)) at::removeCallback(handle);
+}
 
 // In-place ops (the optimizer's add_, copy_, _foreach_*) update parameters; they are no forward.
 bool updates_in_place(std::string_view name) {
@@ -160,7 +165,10 @@ void look(ForwardWatch::State& s, const at::RecordFunction& fn, bool backward_no
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   auto& list = t_watches.armed;
-  if (list.empty()) return nullptr;
+  if (list.empty()) {
+    remove_callback_if_idle();  // Note [Watch removal]: back after a backward
+    return nullptr;
+  }
   const auto t0 = Clock::now();
   const bool backward_node = fn.scope() == at::RecordScope::BACKWARD_FUNCTION;
   const std::string_view name = backward_node ? std::string_view() : std::string_view(fn.name());
@@ -212,11 +220,25 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   return nullptr;
 }
 
+// Whether the callback is registered in this thread's RecordFunction state as it is now.
+bool registered(at::CallbackHandle handle) {
+  if (handle == at::INVALID_CALLBACK_HANDLE) return false;
+  for (const auto& e : at::get_record_function_tls_().sorted_tls_callbacks_) {
+    if (e.handle_ == handle) return true;
+  }
+  return false;
+}
+
+// Note [Watch removal]: the autograd engine runs a backward under a copy of the calling thread's
+// state (at::ThreadLocalStateGuard, RecordFunction callbacks included) and puts the original
+// back after it: a callback removed inside the backward (where the watch learns that the
+// backward began) comes back after it. So the handle is kept, and the callback removed again at
+// its next call with no watch armed (one op); arm() reuses it when it is still registered.
+// (Resetting the handle made every step register one more callback, each running this one.)
 void remove_callback_if_idle() {
-  if (t_watches.armed.empty() && t_watches.handle != at::INVALID_CALLBACK_HANDLE) {
+  if (t_watches.armed.empty() && registered(t_watches.handle)) {
     // Safe inside a callback: a running op invokes its own copy of the callback list.
     at::removeCallback(t_watches.handle);
-    t_watches.handle = at::INVALID_CALLBACK_HANDLE;
   }
 }
 
@@ -266,7 +288,7 @@ void ForwardWatch::arm() {
   state_->armed = true;
   state_->thread = std::this_thread::get_id();
   t_watches.armed.push_back(state_);
-  if (t_watches.handle == at::INVALID_CALLBACK_HANDLE) {
+  if (!registered(t_watches.handle)) {
     t_watches.handle =
         at::addThreadLocalCallback(at::RecordFunctionCallback(&on_op).needsInputs(true).scopes(
             {at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));

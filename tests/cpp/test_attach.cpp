@@ -353,8 +353,12 @@ TEST(Attach, ExamplesMnistEveryTrainingForwardIsSeen) {
     mnist.train(net, *mnist.train_loader, opt, san);
     mnist.test(net, *mnist.test_loader);
   }
+  // One op callback, armed for the next forward (Note [Watch removal]: one removed inside a
+  // CPU backward comes back after it; it must not pile up, one more each step); none after close.
+  EXPECT_EQ(at::get_record_function_tls_().sorted_tls_callbacks_.size(), 1u);
   const trainsan::Coverage c = san.coverage();
   san.close();
+  EXPECT_EQ(at::get_record_function_tls_().sorted_tls_callbacks_.size(), 0u);
   EXPECT_EQ(dump(san), "");
   EXPECT_EQ(c.steps_checked, 18);
   EXPECT_EQ(c.training_forwards, 18);
