@@ -25,15 +25,38 @@ namespace trainsan {
 // A LibTorch program has no module hooks and no optimizer hooks, so what Python's attach learns
 // from them is found another way, at no cost to a healthy step:
 // - The forward: a thread-local RecordFunction callback (host/forward_watch.h), armed from the end
-//   of a step (end_step) until the next grad-enabled forward, takes the first op that reads one of
-//   the model's parameters together with another tensor of at least one dimension (the batch, or
-//   what the model made of it before its first parameter): a forward of the model. Grad mode is
-//   read there, at the forward — a forward under torch::NoGradGuard is seen as one — and the
-//   model's and its mode-dependent modules' train/eval flags are read then; that op's other
-//   inputs are fingerprinted (duplicate_batch). In-place ops (the optimizer's add_, copy_,
-//   _foreach_*) are not forwards. After a no_grad forward the watch stays armed for a grad-enabled
-//   one; after a grad-enabled one it is removed, so the forward, backward and optimizer step run
-//   without it.
+//   of a step (end_step) until the step's training forwards were seen and its backward began,
+//   takes the first op that reads one of the model's parameters together with another tensor of
+//   at least one dimension (the batch, or what the model made of it before its first parameter):
+//   a forward of the model. Grad mode is read there, at the forward — a forward under
+//   torch::NoGradGuard is seen as one — and the model's and its mode-dependent modules'
+//   train/eval flags are read then, so an eval mode is judged at the step whose forward it is;
+//   that op's other inputs are fingerprinted (duplicate_batch). In-place ops (the optimizer's
+//   add_, copy_, _foreach_*) are not forwards. After a no_grad forward (a validation pass) the
+//   watch stays armed for a grad-enabled one, with no bound but a large one (kMaxIdleOps, 4M ops:
+//   a program that stops training pays for that many once): the ops between two training
+//   forwards — a loader's per-example transforms, a validation pass of large batches — are not
+//   a reason to miss the next one. (It was a bound of 4096 ops since end_step: pytorch/examples'
+//   MNIST, whose test pass loads batches of 1000 examples at ~8 ops each, hid the first training
+//   forward of every epoch, and with it an eval mode left by that pass until the step after.)
+// - The loss: from the first grad-enabled forward until the backward begins, a one-element
+//   tensor with a graph that the program reads (aten::item) — `AT_ASSERT(!std::isnan(
+//   loss.item<float>()))` before loss.backward(), as pytorch/examples' MNIST writes it — is read
+//   too, and when its value is not finite it is the step's loss, checked there (unless its graph
+//   reaches none of the model's parameters: a probe model's), written to the trace at once and
+//   printed under warn and raise (raised at the next event: a callback cannot throw), so the
+//   program's own assert does not abort it away. A finite one may be any scalar the program
+//   logs: it is end_step's to check, and end_step(loss) does not check a loss seen here twice.
+//   The loss is not seen at the backward's entry: Tensor::backward()'s dispatcher op
+//   (aten::_backward) is not observed by RecordFunction (tried: no callback sees it), and a CUDA
+//   backward's nodes run on the device's thread; a NaN loss read only after its backward is
+//   end_step's. The backward's beginning is seen as its first node on this thread (a CPU
+//   backward) or the first in-place write of a parameter (the optimizer step, through .data()
+//   too) after the forward. Once every group's training forward was seen and the backward began
+//   (or kMaxOpsAfterForward, 32768 ops after the first training forward, passed: a group whose
+//   forward never comes), the callback is removed, so the rest of the step runs without it. Its
+//   own time goes to the sanitizer's (Note [Own time]), taken at each event; the dispatcher's
+//   boxing of each op's inputs for it is not in that measure.
 // - The step: an optimizer step updates its parameters in place, which moves their version
 //   counters; at end_step, each optimizer whose parameters' versions moved since the previous
 //   end_step is judged (step_end), with its param groups' learning rates as they are then. An

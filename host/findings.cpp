@@ -1,6 +1,8 @@
 // The FindingStore (findings.h).
 #include "findings.h"
 
+#include "messages.h"
+
 namespace trainsan::host {
 
 const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std::string& message,
@@ -43,6 +45,16 @@ std::vector<Finding> FindingStore::all() const {
 void FindingStore::said(Kind kind, const std::string& tensor) {
   const std::lock_guard<std::mutex> lock(mu_);
   said_.insert(std::string(info(kind).name) + '\x1f' + tensor);
+}
+
+void FindingStore::say_fresh(const std::string& policy) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (const Finding& f : fresh_) {
+    const std::string key = f.kind + '\x1f' + f.tensor;
+    if (policy_action(policy, f) == Action::kNone || said_.count(key) != 0) continue;
+    print_finding(f);
+    said_.insert(key);
+  }
 }
 
 bool FindingStore::was_said(const Finding& f) const {

@@ -31,6 +31,9 @@ class FindingStore final : public FindingSink {
   Finding attribute(const Finding& fallback, std::optional<bool> reproduces,
                     const std::string& text);
   void said(Kind kind, const std::string& tensor) override;
+  /// Prints the fresh findings the policy answers (warn, raise) now, and marks them said; they
+  /// stay fresh for the policy at the next event (Note [C++ attach]: a loss seen at its backward).
+  void say_fresh(const std::string& policy);
   /// Whether `f` was printed when it was found (said): close() does not report it again.
   bool was_said(const Finding& f) const;
 

@@ -1,7 +1,8 @@
 // ForwardWatch: sees a model's forward in a LibTorch program, which has no module hooks, at its
-// first op that reads one of the model's parameters together with a batch (Note [C++ attach] in
-// host/attach.cpp). A thread-local RecordFunction callback, registered only while armed: from the
-// end of a step until the next grad-enabled forward, so the ops of the forward, backward and
+// first op that reads one of the model's parameters together with a batch, and a non-finite loss
+// the program reads before its backward (Note [C++ attach] in host/attach.cpp). A thread-local
+// RecordFunction callback, registered only while armed: from the end of a step until the step's
+// training forwards were seen and its backward began, so the rest of the backward and the
 // optimizer step of a healthy loop run without it.
 #pragma once
 
@@ -22,15 +23,21 @@ class ForwardWatch {
   /// optimizer: a GAN's generator and discriminator are told apart), inside that op's dispatch,
   /// with grad mode as the forward has it and the op's other tensor inputs (the batch, or what
   /// the model made of it before its first parameter). Per group: called once under no_grad,
-  /// and once under grad mode, after which that group is done; the watch disarms itself when
-  /// every group is done, or after kMaxOps ops since arm() (bounded cost in a loop where some
-  /// group never meets a grad-enabled forward).
+  /// and once under grad mode, after which that group is done.
   using OnForward = std::function<void(std::vector<at::Tensor> batch, int64_t group)>;
-  static constexpr int64_t kMaxOps = 4096;
+  /// Called when the program reads (Tensor::item()) a one-element tensor with a graph between a
+  /// grad-enabled forward and the backward, and its value is not finite: the step's loss, about
+  /// to be asserted on (Note [C++ attach]).
+  using OnBackward = std::function<void(const at::Tensor& root)>;
+  /// Bounds on the ops the callback looks at (Note [C++ attach]): since arm() while no
+  /// grad-enabled forward came (a validation pass, data loading, the program's end), and since
+  /// the first grad-enabled forward while a group's forward or the backward is still to come.
+  static constexpr int64_t kMaxIdleOps = int64_t{1} << 22;
+  static constexpr int64_t kMaxOpsAfterForward = int64_t{1} << 15;
 
   /// `groups[k]`: the group of params[k] (any integer; one group for all is fine).
   ForwardWatch(const std::vector<at::Tensor>& params, const std::vector<int64_t>& groups,
-               OnForward on_forward);
+               OnForward on_forward, OnBackward on_backward = nullptr);
   ~ForwardWatch();
   ForwardWatch(const ForwardWatch&) = delete;
   ForwardWatch& operator=(const ForwardWatch&) = delete;
@@ -39,6 +46,10 @@ class ForwardWatch {
   void arm();
   void disarm();
   bool armed() const;
+  /// Seconds spent in the callback since the last call (Note [Own time]: the sanitizer adds them
+  /// to its own time), and ops it looked at in all.
+  double take_seconds();
+  int64_t ops_seen() const;
 
   struct State;
 

@@ -164,9 +164,11 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
       groups.push_back(p.opt);
     }
     watch = std::make_unique<ForwardWatch>(
-        ps, groups, [this](std::vector<at::Tensor> batch, int64_t opt) {
+        ps, groups,
+        [this](std::vector<at::Tensor> batch, int64_t opt) {
           forward_seen(std::move(batch), have_optimizer ? opt : -1);
-        });
+        },
+        [this](const at::Tensor& root) { loss_read(root); });
     watch->arm();
   }
 }
@@ -188,6 +190,33 @@ void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   forward(f);
 }
 
+// Note [C++ attach]'s loss: a non-finite one-element tensor with a graph that the program reads
+// (item()) between a training forward and the backward. Inside that op's dispatch: nothing here
+// may throw into it; a finding is written to the trace at once (one write(2) a line) and printed
+// under policies warn and raise, before a program that asserts on the value can abort; "raise"
+// raises at the next event.
+void SanitizerImpl::loss_read(const at::Tensor& root) {
+  if (closed || !fault.empty() || grads.in_step()) return;  // a closure's backward: its step's
+  const OwnClock clock(time);                               // Note [Own time]
+  try {
+    // Our own ops: seen by no observer (the op audit of a sampled step is still on).
+    const at::RecordFunctionGuard unobserved(/*is_enabled=*/false);
+    if (foreign.loss_reaches(root) == 0) return;  // another model's (a probe, a copy)
+    loss(root);
+    backward_losses.emplace_back(root.getIntrusivePtr());
+    if (!setup.report) store.say_fresh(opts.policy);
+  } catch (const std::exception&) {
+    // end_step(loss) checks it again
+  }
+}
+
+bool SanitizerImpl::loss_seen_at_backward(const at::Tensor& loss) const {
+  for (const auto& w : backward_losses) {
+    if (w._unsafe_get_target() == loss.unsafeGetTensorImpl() && !w.expired()) return true;
+  }
+  return false;
+}
+
 void SanitizerImpl::backward_without_graph() {
   if (closed || grads.in_step()) return;
   std::set<int64_t> opts;
@@ -206,6 +235,8 @@ void SanitizerImpl::backward_without_graph() {
 
 void SanitizerImpl::end_iteration(bool backward_ran) {
   if (closed) return;
+  add_outside(watch->take_seconds());  // Note [Own time]: the watch's, for this step's record
+  backward_losses.clear();
   const std::vector<int64_t> stepped = setup.binding->stepped();
   std::set<int64_t> opts_of_params;
   for (const TrackedParam& p : params) {

@@ -77,6 +77,7 @@ Sanitizer& Sanitizer::operator=(Sanitizer&&) noexcept = default;
 
 void Sanitizer::report() {
   impl_->add_outside(impl_->audit->take_overhead());
+  if (impl_->watch) impl_->add_outside(impl_->watch->take_seconds());
   // Note [Bounded trace]: a trace that could not be written is told once, on this (the event's)
   // thread, and never raised into the loop.
   if (impl_->trace.take_new_error()) TORCH_WARN(impl_->trace.error());
@@ -99,7 +100,7 @@ void Sanitizer::report() {
       // its summary now (close() writes a later one if the program goes on; readers keep the last).
       impl_->write_summary();
       throw TrainingBugError(f);
-    } else if (a == Action::kWarn) {
+    } else if (a == Action::kWarn && !impl_->store.was_said(f)) {  // printed when found
       host::print_finding(f);
     }
   }
@@ -156,7 +157,8 @@ void Sanitizer::end_step(const std::vector<at::Tensor>& losses) {
     bool backward_ran = false;
     for (const at::Tensor& loss : losses) {
       if (!loss.defined()) continue;
-      impl_->loss(loss);
+      // trainsan::attach checked it when the program read it (Note [C++ attach]).
+      if (!impl_->watch || !impl_->loss_seen_at_backward(loss)) impl_->loss(loss);
       backward_ran = backward_ran || loss.requires_grad();
     }
     // A loss scaler reports its step before end_step: a skip since the last step end was this

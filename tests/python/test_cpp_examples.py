@@ -103,6 +103,19 @@ def test_planted_bugs_are_found(built, tmp_path, name, bug, kind):
     assert kind in kinds, (kinds, r.stderr[-2000:])
 
 
+def test_nan_loss_is_in_the_trace_before_the_programs_own_assert_aborts(built, tmp_path):
+    # mnist asserts `!isnan(loss.item())` before loss.backward(), as pytorch/examples' MNIST
+    # does; a NaN pixel in the second epoch's fourth batch (after a test pass) makes the loss
+    # NaN there and the program aborts: the finding, of that step, is already in the trace, and
+    # printed under policy raise.
+    for policy in ("record", "raise"):
+        r, records = _run(built["mnist"], tmp_path, "nan_loss", policy=policy)
+        assert r.returncode != 0 and "isnan" in r.stderr, r.stderr[-2000:]
+        nan = [f for f in _findings(records) if f["kind"] == "nonfinite_loss"]
+        assert nan and nan[0]["step"] == 13, (_findings(records), r.stderr[-2000:])
+        assert ("nonfinite_loss at step 13" in r.stderr) == (policy == "raise"), r.stderr[-2000:]
+
+
 def test_op_audit_names_the_programs_frame(built, tmp_path):
     # No Python frame in a LibTorch program: the finding names the program's own frame.
     _, records = _run(built["regression"], tmp_path, "broadcast")

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <trainsan/trainsan.h>  // trainsan
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -77,9 +78,11 @@ int main(int argc, char** argv) {
     for (auto& batch : *train_loader) {
       auto data = batch.data, targets = batch.target;
       if (bug == "label_range") targets = targets + 1;  // labels 1..10 for 10 classes
+      if (bug == "nan_loss" && epoch == 2 && batch_idx == 3) data[0][0][0][0] = NAN;  // bad pixel
       if (bug != "stale_grad") optimizer.zero_grad();
       auto output = model.forward(data);
       auto loss = torch::nll_loss(output, targets);
+      AT_ASSERT(!std::isnan(loss.item<float>()));  // aborts the program on a NaN loss
       loss.backward();
       optimizer.step();
       san.end_step(loss);  // trainsan

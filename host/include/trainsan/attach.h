@@ -16,8 +16,10 @@
 // the modules whose forward depends on train/eval (Dropout, BatchNorm, InstanceNorm with running
 // statistics, RNNs with dropout) and those with parameters, whose modes are read at each forward.
 // The forward is seen at its first op that reads a parameter together with a batch (grad mode,
-// train/eval state, and that op's other inputs, fingerprinted for duplicate_batch); an optimizer
-// step is seen from its parameters' version counters at end_step. The sanitizer must not outlive
+// train/eval state, and that op's other inputs, fingerprinted for duplicate_batch); a NaN loss
+// when the program reads it with item() before its backward (in the trace before the program can
+// abort on it); an optimizer step from its parameters' version counters at end_step. attach returns a
+// trainsan::Sanitizer: a function of the loop takes it as `trainsan::Sanitizer& san`. The sanitizer must not outlive
 // the model and optimizers it was attached to; close() (or the destructor) removes every hook.
 #pragma once
 
