@@ -368,238 +368,240 @@ TEST(OptimizerSlots, UnambiguousFitsAndAmbiguousMappingsAreSilent) {
   c.on_resume(f, 0);
   f = slots(kReordered, {6}, kReordered, kSaved);
   f.slot_params.clear();  // not given: the moment rule alone
-  // -- Note [Replayed order] ----------------------------------------------------------------------
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+}
 
-  ResumeFacts seeded_boundary() {  // a resume at an epoch boundary: the data position is right
-    ResumeFacts f = first_forward();
-    f.checkpoint_epoch = 2;
-    f.checkpoint_step = 16;
-    f.loader_global_rng = true;
-    f.rng_last = "seed";
-    f.rng_seed = 42;
-    return f;
-  }
+// -- Note [Replayed order] ----------------------------------------------------------------------
 
-  TEST(ReplayedOrder, SeededAndNotRestoredIsReported) {
-    testing::FakeSink sink;
-    Options o;
-    ResumeCheck c(sink, o);
-    c.on_resume(seeded_boundary(), 16);  // torch.manual_seed(42) at the top, before the load
-    ASSERT_EQ(sink.calls.size(), 1u);
-    EXPECT_EQ(sink.calls[0].kind, Kind::duplicate_batch);
-    EXPECT_EQ(sink.calls[0].tensor, "RandomSampler");  // a subject of its own
-    EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
-    EXPECT_EQ(sink.calls[0].step, 16);
-    EXPECT_EQ(sink.calls[0].value, 2.0);  // the checkpoint's epoch
-    EXPECT_TRUE(has(sink.calls[0].message,
-                    "after the resume from the checkpoint (epoch=2, step=16), the data loader's "
-                    "RandomSampler drew this pass's order from the global RNG, which was seeded "
-                    "(torch.manual_seed(42)) and not restored"))
-        << sink.calls[0].message;
-    EXPECT_TRUE(has(sink.calls[0].message, "torch.set_rng_state"));
-    ResumeFacts f = seeded_boundary();  // the run's seed set again after the load
-    f.rng_seed_after_load = true;
-    f.rng_seed_repeats = true;
-    c.on_resume(f, 0);
-    ASSERT_EQ(sink.calls.size(), 2u);
-    EXPECT_TRUE(has(sink.calls[1].message, "again after the checkpoint's load"));
-    f = seeded_boundary();  // only a step counter, at the end of the first pass of 8
-    f.checkpoint_epoch = -1;
-    f.checkpoint_step = 8;
-    c.on_resume(f, 0);
-    ASSERT_EQ(sink.calls.size(), 3u);
-    EXPECT_EQ(sink.calls[2].value, 8.0);
-    f = first_forward();  // mid-epoch: both the restarted pass and its order
-    f.loader_global_rng = true;
-    f.rng_last = "seed";
-    c.on_resume(f, 0);
-    EXPECT_EQ(sink.calls.size(), 5u);
-  }
+ResumeFacts seeded_boundary() {  // a resume at an epoch boundary: the data position is right
+  ResumeFacts f = first_forward();
+  f.checkpoint_epoch = 2;
+  f.checkpoint_step = 16;
+  f.loader_global_rng = true;
+  f.rng_last = "seed";
+  f.rng_seed = 42;
+  return f;
+}
 
-  TEST(ReplayedOrder, RestoredReseededOrOwnGeneratorIsSilent) {
-    testing::FakeSink sink;
-    Options o;
-    ResumeCheck c(sink, o);
-    ResumeFacts f = seeded_boundary();
-    f.rng_last = "restore";  // torch.set_rng_state(ckpt["rng"])
-    c.on_resume(f, 0);
-    f.rng_last = "random";  // torch.seed()
-    c.on_resume(f, 0);
-    f.rng_last = "";  // the seeding was not seen
-    c.on_resume(f, 0);
-    f = seeded_boundary();  // torch.manual_seed(seed + epoch) after the load
-    f.rng_seed_after_load = true;
-    c.on_resume(f, 0);
-    f = seeded_boundary();
-    f.loader_global_rng = false;  // a generator of its own, a DistributedSampler, no shuffle
-    c.on_resume(f, 0);
-    f = seeded_boundary();
-    f.loader_restored = true;  // the sampler's or loader's state restored
-    c.on_resume(f, 0);
-    f = seeded_boundary();
-    f.checkpoint_epoch = 0;  // nothing trained yet
-    f.checkpoint_step = 0;
-    c.on_resume(f, 0);
-    f = seeded_boundary();
-    f.optimizer_restored = false;  // a fine-tune
-    c.on_resume(f, 0);
-    f = seeded_boundary();
-    f.loader_yielded = -1;  // no loader iterated since the load
-    c.on_resume(f, 0);
-    EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
-  }
+TEST(ReplayedOrder, SeededAndNotRestoredIsReported) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  c.on_resume(seeded_boundary(), 16);  // torch.manual_seed(42) at the top, before the load
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].kind, Kind::duplicate_batch);
+  EXPECT_EQ(sink.calls[0].tensor, "RandomSampler");  // a subject of its own
+  EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
+  EXPECT_EQ(sink.calls[0].step, 16);
+  EXPECT_EQ(sink.calls[0].value, 2.0);  // the checkpoint's epoch
+  EXPECT_TRUE(has(sink.calls[0].message,
+                  "after the resume from the checkpoint (epoch=2, step=16), the data loader's "
+                  "RandomSampler drew this pass's order from the global RNG, which was seeded "
+                  "(torch.manual_seed(42)) and not restored"))
+      << sink.calls[0].message;
+  EXPECT_TRUE(has(sink.calls[0].message, "torch.set_rng_state"));
+  ResumeFacts f = seeded_boundary();  // the run's seed set again after the load
+  f.rng_seed_after_load = true;
+  f.rng_seed_repeats = true;
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[1].message, "again after the checkpoint's load"));
+  f = seeded_boundary();  // only a step counter, at the end of the first pass of 8
+  f.checkpoint_epoch = -1;
+  f.checkpoint_step = 8;
+  c.on_resume(f, 0);
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_EQ(sink.calls[2].value, 8.0);
+  f = first_forward();  // mid-epoch: both the restarted pass and its order
+  f.loader_global_rng = true;
+  f.rng_last = "seed";
+  c.on_resume(f, 0);
+  EXPECT_EQ(sink.calls.size(), 5u);
+}
 
-  // -- Note [Restarted schedule] ------------------------------------------------------------------
+TEST(ReplayedOrder, RestoredReseededOrOwnGeneratorIsSilent) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f = seeded_boundary();
+  f.rng_last = "restore";  // torch.set_rng_state(ckpt["rng"])
+  c.on_resume(f, 0);
+  f.rng_last = "random";  // torch.seed()
+  c.on_resume(f, 0);
+  f.rng_last = "";  // the seeding was not seen
+  c.on_resume(f, 0);
+  f = seeded_boundary();  // torch.manual_seed(seed + epoch) after the load
+  f.rng_seed_after_load = true;
+  c.on_resume(f, 0);
+  f = seeded_boundary();
+  f.loader_global_rng = false;  // a generator of its own, a DistributedSampler, no shuffle
+  c.on_resume(f, 0);
+  f = seeded_boundary();
+  f.loader_restored = true;  // the sampler's or loader's state restored
+  c.on_resume(f, 0);
+  f = seeded_boundary();
+  f.checkpoint_epoch = 0;  // nothing trained yet
+  f.checkpoint_step = 0;
+  c.on_resume(f, 0);
+  f = seeded_boundary();
+  f.optimizer_restored = false;  // a fine-tune
+  c.on_resume(f, 0);
+  f = seeded_boundary();
+  f.loader_yielded = -1;  // no loader iterated since the load
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+}
 
-  ResumeFacts first_step_unrestored_scheduler() {
-    ResumeFacts f;
-    f.moment = ResumeFacts::Moment::kFirstStep;
-    f.opt = 0;
-    f.optimizer_type = "AdamW";
-    f.stateful = true;
-    f.optimizer_restored = true;
-    f.optimizer_with_state = 4;
-    f.checkpoint_has_optimizer_state = true;
-    f.scheduler_epoch = 1024;
-    f.scheduler_type = "LambdaLR";
-    f.scheduler_epoch_now = 0;
-    f.scheduler_by_epoch = true;
-    f.lr = 1024;  // the optimizer's state brought the saved rate back
-    f.checkpoint_lr = 1024;
-    return f;
-  }
+// -- Note [Restarted schedule] ------------------------------------------------------------------
 
-  // A later step whose rate changed: the group's rate, the one the scheduler set last, and the one
-  // the checkpoint's schedule has at this step (1024: a warm-up over, a constant schedule after
-  // it).
-  ResumeFacts rate_changed(double lr, double scheduler_lr, double schedule_lr = 1024,
-                           int64_t epoch = 1) {
-    ResumeFacts f;
-    f.moment = ResumeFacts::Moment::kScheduleStep;
-    f.opt = 0;
-    f.lr = lr;
-    f.scheduler_lr = scheduler_lr;
-    f.schedule_lr = schedule_lr;
-    f.scheduler_epoch_now = epoch;
-    return f;
-  }
+ResumeFacts first_step_unrestored_scheduler() {
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kFirstStep;
+  f.opt = 0;
+  f.optimizer_type = "AdamW";
+  f.stateful = true;
+  f.optimizer_restored = true;
+  f.optimizer_with_state = 4;
+  f.checkpoint_has_optimizer_state = true;
+  f.scheduler_epoch = 1024;
+  f.scheduler_type = "LambdaLR";
+  f.scheduler_epoch_now = 0;
+  f.scheduler_by_epoch = true;
+  f.lr = 1024;  // the optimizer's state brought the saved rate back
+  f.checkpoint_lr = 1024;
+  return f;
+}
 
-  TEST(RestartedSchedule, TheRateLeavingTheScheduleIsAnError) {
-    testing::FakeSink sink;
-    Options o;
-    ResumeCheck c(sink, o);
-    c.on_resume(first_step_unrestored_scheduler(), 40);
-    ASSERT_EQ(sink.calls.size(), 1u);
-    EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
-    EXPECT_TRUE(has(sink.calls[0].message, "its LambdaLR is at epoch 0: the schedule restarts"))
-        << sink.calls[0].message;
-    c.on_resume(rate_changed(128, 128), 41);  // the warm-up's first rate
-    ASSERT_EQ(sink.calls.size(), 2u);
-    EXPECT_EQ(sink.calls[1].kind, Kind::optimizer_reset);
-    EXPECT_EQ(sink.calls[0].tensor, "");
-    EXPECT_EQ(sink.calls[1].tensor, "LambdaLR of optimizer 0");  // not a repeat of the warning
-    EXPECT_EQ(sink.calls[1].severity, Severity::kError);
-    EXPECT_EQ(sink.calls[1].step, 41);
-    EXPECT_EQ(sink.calls[1].value, 128.0);
-    EXPECT_TRUE(has(sink.calls[1].message,
-                    "the learning-rate scheduler LambdaLR of optimizer 0 (AdamW) was rebuilt but "
-                    "not restored"))
-        << sink.calls[1].message;
-    EXPECT_TRUE(
-        has(sink.calls[1].message,
-            "it set the learning rate to 128 (its epoch 1), where the checkpoint's schedule "
-            "is at epoch 1025 with 1024 (it was saved at epoch 1024 with 1024)"))
-        << sink.calls[1].message;
-    EXPECT_TRUE(has(sink.calls[1].message, "1024 epoch(s) behind the checkpoint"));
-    EXPECT_TRUE(has(sink.calls[1].message, "scheduler.load_state_dict"));
-    c.on_resume(rate_changed(64, 64, 1024, 2), 42);  // judged once
-    EXPECT_EQ(sink.calls.size(), 2u);
-    // A cosine restarted at its peak: the rate goes up.
-    c.on_resume(first_step_unrestored_scheduler(), 0);
-    c.on_resume(rate_changed(4096, 4096), 1);
-    ASSERT_EQ(sink.calls.size(), 4u);
-    EXPECT_EQ(sink.calls[3].severity, Severity::kError);
-  }
+// A later step whose rate changed: the group's rate, the one the scheduler set last, and the one
+// the checkpoint's schedule has at this step (1024: a warm-up over, a constant schedule after it).
+ResumeFacts rate_changed(double lr, double scheduler_lr, double schedule_lr = 1024,
+                         int64_t epoch = 1) {
+  ResumeFacts f;
+  f.moment = ResumeFacts::Moment::kScheduleStep;
+  f.opt = 0;
+  f.lr = lr;
+  f.scheduler_lr = scheduler_lr;
+  f.schedule_lr = schedule_lr;
+  f.scheduler_epoch_now = epoch;
+  return f;
+}
 
-  TEST(RestartedSchedule, AtTheEdgeOfTheJump) {
-    testing::FakeSink sink;
-    Options o;
-    ResumeCheck c(sink, o);
-    // kLrJump = 1e-3 of the larger rate: 1.024 for 1024.
-    c.on_resume(first_step_unrestored_scheduler(), 0);
-    c.on_resume(rate_changed(1023, 1023), 1);  // 1 apart: the schedule moved as a continued one
-    EXPECT_EQ(sink.calls.size(), 1u);          // the first step's warning alone; the watch ended
-    c.on_resume(rate_changed(100, 100), 2);
-    EXPECT_EQ(sink.calls.size(), 1u);
-    c.on_resume(first_step_unrestored_scheduler(), 0);
-    c.on_resume(rate_changed(1022, 1022), 1);  // 2 apart
-    ASSERT_EQ(sink.calls.size(), 3u);
-    EXPECT_EQ(sink.calls[2].severity, Severity::kError);
-  }
+TEST(RestartedSchedule, TheRateLeavingTheScheduleIsAnError) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  c.on_resume(first_step_unrestored_scheduler(), 40);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kWarning);
+  EXPECT_TRUE(has(sink.calls[0].message, "its LambdaLR is at epoch 0: the schedule restarts"))
+      << sink.calls[0].message;
+  c.on_resume(rate_changed(128, 128), 41);  // the warm-up's first rate
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[1].kind, Kind::optimizer_reset);
+  EXPECT_EQ(sink.calls[0].tensor, "");
+  EXPECT_EQ(sink.calls[1].tensor, "LambdaLR of optimizer 0");  // not a repeat of the warning
+  EXPECT_EQ(sink.calls[1].severity, Severity::kError);
+  EXPECT_EQ(sink.calls[1].step, 41);
+  EXPECT_EQ(sink.calls[1].value, 128.0);
+  EXPECT_TRUE(has(sink.calls[1].message,
+                  "the learning-rate scheduler LambdaLR of optimizer 0 (AdamW) was rebuilt but "
+                  "not restored"))
+      << sink.calls[1].message;
+  EXPECT_TRUE(has(sink.calls[1].message,
+                  "it set the learning rate to 128 (its epoch 1), where the checkpoint's schedule "
+                  "is at epoch 1025 with 1024 (it was saved at epoch 1024 with 1024)"))
+      << sink.calls[1].message;
+  EXPECT_TRUE(has(sink.calls[1].message, "1024 epoch(s) behind the checkpoint"));
+  EXPECT_TRUE(has(sink.calls[1].message, "scheduler.load_state_dict"));
+  c.on_resume(rate_changed(64, 64, 1024, 2), 42);  // judged once
+  EXPECT_EQ(sink.calls.size(), 2u);
+  // A cosine restarted at its peak: the rate goes up.
+  c.on_resume(first_step_unrestored_scheduler(), 0);
+  c.on_resume(rate_changed(4096, 4096), 1);
+  ASSERT_EQ(sink.calls.size(), 4u);
+  EXPECT_EQ(sink.calls[3].severity, Severity::kError);
+}
 
-  TEST(RestartedSchedule, LegitimateTwinsAreSilent) {
-    testing::FakeSink sink;
-    Options o;
-    ResumeCheck c(sink, o);
-    ResumeFacts f = first_step_unrestored_scheduler();
-    f.scheduler_restored = true;  // scheduler.load_state_dict
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    f = first_step_unrestored_scheduler();
-    f.scheduler_epoch_now = 1024;  // rebuilt with last_epoch=restored epoch
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    f.scheduler_epoch_now = 1025;
-    c.on_resume(f, 0);
-    EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
-    c.on_resume(rate_changed(128, 128), 0);  // no first step before it
-    EXPECT_TRUE(sink.calls.empty());
-    // The first step's warning stays for each of these; the later change is not an error.
-    f = first_step_unrestored_scheduler();
-    f.scheduler_by_epoch = false;  // ReduceLROnPlateau lowers the restored rate
-    f.scheduler_type = "ReduceLROnPlateau";
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(102.4, 102.4), 9);
-    f = first_step_unrestored_scheduler();
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(500, 1024), 3);  // set by hand: not the scheduler's rate
-    c.on_resume(rate_changed(128, 128), 4);   // the watch ended there
-    f = first_step_unrestored_scheduler();
-    f.scheduler_type = "";  // no scheduler found (another library's)
-    f.scheduler_epoch_now = -1;
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    f = first_step_unrestored_scheduler();
-    f.scheduler_by_epoch = false;  // a scheduler whose rate at an epoch cannot be computed
-    f.scheduler_type = "CosineAnnealingWarmRestarts";
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    ASSERT_EQ(sink.calls.size(), 4u);
-    for (const auto& call : sink.calls) EXPECT_EQ(call.severity, Severity::kWarning);
-    sink.calls.clear();
-    // The optimizer not restored either (a forgotten optimizer, or a fine-tune's new optimizer):
-    // that error (or silence) explains the rate; no second error.
-    f = first_step_unrestored_scheduler();
-    f.optimizer_restored = false;
-    f.optimizer_with_state = 0;
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    ASSERT_EQ(sink.calls.size(), 2u);
-    EXPECT_TRUE(has(sink.calls[0].message, "was not restored (no optimizer.load_state_dict"));
-    EXPECT_EQ(sink.calls[1].severity, Severity::kWarning);
-    sink.calls.clear();
-    f.params_not_loaded = 2;  // a fine-tune: a new head after the load
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(128, 128), 1);
-    EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
-    // Built after optimizer.load_state_dict: the jump is the first step's error, and only it.
-    f = first_step_unrestored_scheduler();
-    f.lr = 128;
-    c.on_resume(f, 0);
-    c.on_resume(rate_changed(256, 256, 1024, 2), 1);
-    ASSERT_EQ(sink.calls.size(), 1u);
-    EXPECT_EQ(sink.calls[0].severity, Severity::kError);
-  }
+TEST(RestartedSchedule, AtTheEdgeOfTheJump) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  // kLrJump = 1e-3 of the larger rate: 1.024 for 1024.
+  c.on_resume(first_step_unrestored_scheduler(), 0);
+  c.on_resume(rate_changed(1023, 1023), 1);  // 1 apart: the schedule moved as a continued one
+  EXPECT_EQ(sink.calls.size(), 1u);          // the first step's warning alone; the watch ended
+  c.on_resume(rate_changed(100, 100), 2);
+  EXPECT_EQ(sink.calls.size(), 1u);
+  c.on_resume(first_step_unrestored_scheduler(), 0);
+  c.on_resume(rate_changed(1022, 1022), 1);  // 2 apart
+  ASSERT_EQ(sink.calls.size(), 3u);
+  EXPECT_EQ(sink.calls[2].severity, Severity::kError);
+}
+
+TEST(RestartedSchedule, LegitimateTwinsAreSilent) {
+  testing::FakeSink sink;
+  Options o;
+  ResumeCheck c(sink, o);
+  ResumeFacts f = first_step_unrestored_scheduler();
+  f.scheduler_restored = true;  // scheduler.load_state_dict
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  f = first_step_unrestored_scheduler();
+  f.scheduler_epoch_now = 1024;  // rebuilt with last_epoch=restored epoch
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  f.scheduler_epoch_now = 1025;
+  c.on_resume(f, 0);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+  c.on_resume(rate_changed(128, 128), 0);  // no first step before it
+  EXPECT_TRUE(sink.calls.empty());
+  // The first step's warning stays for each of these; the later change is not an error.
+  f = first_step_unrestored_scheduler();
+  f.scheduler_by_epoch = false;  // ReduceLROnPlateau lowers the restored rate
+  f.scheduler_type = "ReduceLROnPlateau";
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(102.4, 102.4), 9);
+  f = first_step_unrestored_scheduler();
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(500, 1024), 3);  // set by hand: not the scheduler's rate
+  c.on_resume(rate_changed(128, 128), 4);   // the watch ended there
+  f = first_step_unrestored_scheduler();
+  f.scheduler_type = "";  // no scheduler found (another library's)
+  f.scheduler_epoch_now = -1;
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  f = first_step_unrestored_scheduler();
+  f.scheduler_by_epoch = false;  // a scheduler whose rate at an epoch cannot be computed
+  f.scheduler_type = "CosineAnnealingWarmRestarts";
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  ASSERT_EQ(sink.calls.size(), 4u);
+  for (const auto& call : sink.calls) EXPECT_EQ(call.severity, Severity::kWarning);
+  sink.calls.clear();
+  // The optimizer not restored either (a forgotten optimizer, or a fine-tune's new optimizer):
+  // that error (or silence) explains the rate; no second error.
+  f = first_step_unrestored_scheduler();
+  f.optimizer_restored = false;
+  f.optimizer_with_state = 0;
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_TRUE(has(sink.calls[0].message, "was not restored (no optimizer.load_state_dict"));
+  EXPECT_EQ(sink.calls[1].severity, Severity::kWarning);
+  sink.calls.clear();
+  f.params_not_loaded = 2;  // a fine-tune: a new head after the load
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(128, 128), 1);
+  EXPECT_TRUE(sink.calls.empty()) << sink.calls[0].message;
+  // Built after optimizer.load_state_dict: the jump is the first step's error, and only it.
+  f = first_step_unrestored_scheduler();
+  f.lr = 128;
+  c.on_resume(f, 0);
+  c.on_resume(rate_changed(256, 256, 1024, 2), 1);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].severity, Severity::kError);
+}
 
 }  // namespace
 }  // namespace trainsan::host
