@@ -8,12 +8,15 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "trainsan/kinds.h"
 
 namespace trainsan {
 
@@ -39,12 +42,16 @@ struct ClassTargetFacts {
 
 /// What the audit needs of the sanitizer's options, fixed at construction.
 struct AuditConfig {
-  /// The kinds switched on.
-  bool broadcast = false;
-  bool label_range = false;
-  bool batch_mismatch = false;
-  bool label_dtype = false;
-  bool target_leak = false;
+  /// The kinds switched on, indexed by Kind: filled from the kinds table's rows of family `audit`
+  /// (kinds.def), so a new audit kind needs no field here and no line where the sanitizer builds
+  /// this (SanitizerImpl's constructor).
+  std::vector<bool> kinds_on;
+  bool on(Kind k) const {
+    const auto i = static_cast<size_t>(k);
+    return i < kinds_on.size() && kinds_on[i];
+  }
+  /// Some kind of the audit family is on: the audit runs on sampled steps.
+  bool any() const { return std::find(kinds_on.begin(), kinds_on.end(), true) != kinds_on.end(); }
   /// Read CUDA targets at once instead of shipping their flags.
   bool sync = false;
   /// Print a finding at once when its op is likely to fail (the policy is not "record").

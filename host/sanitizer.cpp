@@ -129,11 +129,12 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
   }
   updates.init();
   AuditConfig cfg;
-  cfg.broadcast = opts.enabled("broadcast");
-  cfg.label_range = opts.enabled("label_range");
-  cfg.batch_mismatch = opts.enabled("batch_mismatch");
-  cfg.label_dtype = opts.enabled("label_dtype");
-  cfg.target_leak = opts.enabled("target_leak");
+  cfg.kinds_on.assign(kinds().size(), false);
+  for (const KindInfo& k : kinds()) {
+    if (std::string_view(k.family) == "audit") {
+      cfg.kinds_on[static_cast<size_t>(k.kind)] = opts.enabled(k.name);
+    }
+  }
   cfg.sync = opts.sync;
   cfg.print_failing = opts.policy != "record";
   cfg.first_steps = opts.audit_first_steps;

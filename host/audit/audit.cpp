@@ -48,10 +48,7 @@ OpAudit::~OpAudit() {
 
 void OpAudit::begin_forward(int64_t step) {
   audit::Core& c = *core_;
-  if (!c.cfg.broadcast && !c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype &&
-      !c.cfg.target_leak) {
-    return;
-  }
+  if (!c.cfg.any()) return;
   {
     const std::lock_guard<std::mutex> lock(c.mu);
     if (!c.open || c.sink == nullptr) return;
@@ -70,7 +67,7 @@ void OpAudit::begin_forward(int64_t step) {
 }
 
 void OpAudit::set_batch(std::vector<at::Tensor> batch) {
-  if (!core_->cfg.label_dtype) return;
+  if (!core_->cfg.on(Kind::label_dtype)) return;
   std::vector<at::Tensor> small;
   for (at::Tensor& t : batch) {
     if (t.defined() && t.layout() == at::kStrided && t.numel() > 0 &&
@@ -83,7 +80,7 @@ void OpAudit::set_batch(std::vector<at::Tensor> batch) {
 }
 
 void OpAudit::set_inputs(std::vector<at::Tensor> inputs) {
-  if (!core_->cfg.target_leak) return;
+  if (!core_->cfg.on(Kind::target_leak)) return;
   std::vector<at::Tensor> tables;  // target_leak's feature tables (Note [Target leak])
   for (at::Tensor& t : inputs) {
     if (t.defined() && t.layout() == at::kStrided && t.dim() == 2 && t.size(1) >= 2 &&

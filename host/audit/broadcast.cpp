@@ -50,7 +50,7 @@ void flush_deferred(Core& c) {
   if (!c.deferred.valid) return;
   Deferred d = std::move(c.deferred);
   c.deferred = Deferred();
-  if (c.cfg.broadcast && implicit_cross_broadcast(d.ops, d.out)) {
+  if (c.cfg.on(Kind::broadcast) && implicit_cross_broadcast(d.ops, d.out)) {
     report_broadcast(c, "aten::broadcast_tensors", d.ops, d.out, d.src);
   }
 }
@@ -66,13 +66,13 @@ void on_elementwise(Core& c, const char* name, c10::ArrayRef<const c10::IValue> 
 
 void on_broadcast_tensors(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in) {
   flush_deferred(c);
-  if (!c.cfg.broadcast && !c.cfg.batch_mismatch) return;
+  if (!c.cfg.on(Kind::broadcast) && !c.cfg.on(Kind::batch_mismatch)) return;
   std::vector<Operand> ops;
   for (const auto& v : in) collect(v, "operand ", ops);
   const std::optional<Shape> out = broadcast_shape(ops);
   if (!out) return;
   if (ops.size() != 2) {
-    if (c.cfg.broadcast && implicit_cross_broadcast(ops, *out)) {
+    if (c.cfg.on(Kind::broadcast) && implicit_cross_broadcast(ops, *out)) {
       report_broadcast(c, name, ops, *out, python_source(c.cfg.skip_frames));
     }
     return;
@@ -116,8 +116,9 @@ void on_loss(Core& c, const char* name, c10::ArrayRef<const c10::IValue> in) {
   const Shape& a = ops[0].shape;
   const Shape& b = ops[1].shape;
   const bool grows =
-      c.cfg.broadcast && numel_of(*out) > numel_of(a) && numel_of(*out) > numel_of(b);
-  const bool batch = c.cfg.batch_mismatch && !a.empty() && a.size() == b.size() && a[0] != b[0];
+      c.cfg.on(Kind::broadcast) && numel_of(*out) > numel_of(a) && numel_of(*out) > numel_of(b);
+  const bool batch =
+      c.cfg.on(Kind::batch_mismatch) && !a.empty() && a.size() == b.size() && a[0] != b[0];
   if (!grows && !batch) return;
   if (!have_src) src = python_source(c.cfg.skip_frames);
   if (grows) {

@@ -200,7 +200,7 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
     have_src = true;
     return src;
   };
-  if (c.cfg.batch_mismatch && input.defined() && input.dim() >= 2 && target.dim() >= 1 &&
+  if (c.cfg.on(Kind::batch_mismatch) && input.defined() && input.dim() >= 2 && target.dim() >= 1 &&
       target.size(0) != input.size(0)) {
     const Source& s = source();
     record(c, Kind::batch_mismatch, finding_name(op, s),
@@ -214,13 +214,13 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
   }
   const at::ScalarType tt = target.scalar_type();
   const bool narrow = tt == at::kByte || tt == at::kChar || tt == at::kShort;
-  if (c.cfg.label_dtype && !c.label_dtype_found && (narrow || !c.batch.empty()) &&
+  if (c.cfg.on(Kind::label_dtype) && !c.label_dtype_found && (narrow || !c.batch.empty()) &&
       classes != std::numeric_limits<int64_t>::max() &&
       at::isIntegralType(target.scalar_type(), /*includeBool=*/false)) {
     check_label_dtype(c, op, target, classes, step, from_op, source);
   }
-  if (!c.cfg.label_range || !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) ||
-      target.numel() == 0) {
+  if (!c.cfg.on(Kind::label_range) ||
+      !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) || target.numel() == 0) {
     return;
   }
   LabelCheck k{op, target.numel(), classes, ignore, step, {}};
@@ -241,7 +241,8 @@ void check_class_target(Core& c, const std::string& op, const at::Tensor& input,
 
 void on_class_index(Core& c, const OpInfo& info, const char* name,
                     c10::ArrayRef<const c10::IValue> in) {
-  if (!c.cfg.label_range && !c.cfg.batch_mismatch && !c.cfg.label_dtype && !c.cfg.target_leak) {
+  if (!c.cfg.on(Kind::label_range) && !c.cfg.on(Kind::batch_mismatch) &&
+      !c.cfg.on(Kind::label_dtype) && !c.cfg.on(Kind::target_leak)) {
     return;
   }
   if (info.cls == OpClass::kOneHot) {

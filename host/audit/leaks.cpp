@@ -103,8 +103,8 @@ void on_embedding(Core& c, const at::Tensor& indices, const at::Tensor& output) 
 
 void check_sequence_leak(Core& c, const char* op, const at::Tensor& target,
                          std::optional<int64_t> ignore, int64_t step) {
-  if (!c.cfg.target_leak || c.target_leak_found.load() || c.embedded.empty() || !target.defined() ||
-      !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) ||
+  if (!c.cfg.on(Kind::target_leak) || c.target_leak_found.load() || c.embedded.empty() ||
+      !target.defined() || !at::isIntegralType(target.scalar_type(), /*includeBool=*/false) ||
       target.numel() < kLeakMinPositions) {
     return;
   }
@@ -176,8 +176,8 @@ void check_sequence_leak(Core& c, const char* op, const at::Tensor& target,
 }
 
 void check_column_leak(Core& c, const char* op, const at::Tensor& target, int64_t step) {
-  if (!c.cfg.target_leak || c.target_leak_found.load() || c.inputs.empty() || !target.defined() ||
-      target.layout() != at::kStrided || target.scalar_type() == at::kBool ||
+  if (!c.cfg.on(Kind::target_leak) || c.target_leak_found.load() || c.inputs.empty() ||
+      !target.defined() || target.layout() != at::kStrided || target.scalar_type() == at::kBool ||
       at::isComplexType(target.scalar_type()) || target.dim() < 1 || target.dim() > 2 ||
       (target.dim() == 2 && target.size(1) != 1) || target.size(0) < kLeakRowsReal) {
     return;

@@ -197,7 +197,7 @@ void audit_op(Core& c, const OpInfo& info, const char* name, c10::ArrayRef<const
       return;
     case OpClass::kElementwise:
       flush_deferred(c);
-      if (c.cfg.broadcast) on_elementwise(c, name, in);
+      if (c.cfg.on(Kind::broadcast)) on_elementwise(c, name, in);
       return;
     case OpClass::kClassIndex:
     case OpClass::kOneHot:
@@ -271,7 +271,7 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (cls == OpClass::kEmbedding) {
     // aten::embedding(weight, indices, ...): integer sequences the model reads.
     const auto in = fn.inputs();
-    if (!core->cfg.target_leak || core->target_leak_found.load() || in.size() < 2 ||
+    if (!core->cfg.on(Kind::target_leak) || core->target_leak_found.load() || in.size() < 2 ||
         !in[1].isTensor() || in[1].toTensor().dim() < 2) {
       return nullptr;
     }
