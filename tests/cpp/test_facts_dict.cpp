@@ -93,9 +93,9 @@ TEST(FactsDict, UnknownMissingAndMistypedFieldsAreNamed) {
   e = error_of<c10::TypeError>([&] { facts_from_dict<trainsan::ResumeFacts>(d); });
   EXPECT_TRUE(has(e, "ResumeFacts.lr: expected float, got str")) << e;
   d.insert_or_assign("lr", 0.1);
-  d.insert_or_assign("moment", int64_t{7});
+  d.insert_or_assign("moment", int64_t{7});  // one past kScheduleStep (3)
   e = error_of<c10::ValueError>([&] { facts_from_dict<trainsan::ResumeFacts>(d); });
-  EXPECT_TRUE(has(e, "ResumeFacts.moment: 7 is not one of 0..2")) << e;
+  EXPECT_TRUE(has(e, "ResumeFacts.moment: 7 is not one of 0..3")) << e;
   d.insert_or_assign("moment", int64_t{0});
   c10::impl::GenericList names(c10::AnyType::get());
   names.push_back(std::string("a"));
