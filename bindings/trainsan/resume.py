@@ -74,6 +74,10 @@ def _schedulers_of(opt) -> list:
     return [c for c in found if id(c) not in inner] + [c for c in found if id(c) in inner]
 
 
+# Note [Restarted schedule]: how many changes of a watched optimizer's rate are sent at most (a
+# restart that leaves the checkpoint's schedule gradually does so within a few dozen changes).
+_SCHEDULE_CHANGES = 1000
+
 def _rate_at(sched, epoch: int) -> float:
     """The first group's rate `sched` sets at `epoch` by its own formula (LambdaLR, and the
     closed forms of StepLR, CosineAnnealingLR, ...; OneCycleLR, CyclicLR, and SequentialLR of those
@@ -247,10 +251,11 @@ class ResumeWatch:
             self._lr_watch.pop(k, None)
 
     def _rate_changed(self, k: int) -> None:
-        """Note [Restarted schedule]: at each step of a watched optimizer, the first change of its
-        rate is sent (kScheduleStep) and ends the watch."""
+        """Note [Restarted schedule]: at each step of a watched optimizer, a change of its rate is
+        sent (kScheduleStep; the rule decides, and ignores what comes after its verdict), up to
+        _SCHEDULE_CHANGES changes."""
         san = self._san()
-        ref, then, saved, before = self._lr_watch[k]
+        ref, then, saved, before, _ = self._lr_watch[k]
         sched = ref()
         if san is None or sched is None:
             del self._lr_watch[k]
@@ -258,11 +263,16 @@ class ResumeWatch:
         lr = _group_rate(san.optimizers[k])
         if lr == before or (math.isnan(lr) and math.isnan(before)):
             return
-        del self._lr_watch[k]
+        watch = self._lr_watch[k]
+        watch[3] = lr
+        watch[4] += 1
         now = getattr(sched, "last_epoch", None)
         now = now if isinstance(now, int) and not isinstance(now, bool) else -1
+        schedule_lr = _rate_at(sched, saved + now - then) if now >= 0 else math.nan
+        if watch[4] >= _SCHEDULE_CHANGES or math.isnan(schedule_lr):
+            del self._lr_watch[k]  # enough changes, or no formula to judge them by
         self._send(moment=3, opt=k, lr=lr, scheduler_lr=_last_rate(sched), scheduler_epoch_now=now,
-                   schedule_lr=_rate_at(sched, saved + now - then) if now >= 0 else math.nan)
+                   schedule_lr=schedule_lr)
 
     def _live_scheduler(self, k: int, opt, info: CkptInfo) -> dict:
         """ResumeFacts of the scheduler over optimizer k at its first step after a load whose
@@ -284,7 +294,7 @@ class ResumeWatch:
             return {}
         if by_epoch and k in self._restored and epoch < info.scheduler_epoch:
             self._lr_watch[k] = [weakref.ref(sched), epoch, info.scheduler_epoch,
-                                 _group_rate(opt)]
+                                 _group_rate(opt), 0]
         return dict(scheduler_type=type(sched).__name__, scheduler_epoch_now=epoch,
                     scheduler_by_epoch=bool(by_epoch))
 

@@ -86,9 +86,9 @@ namespace trainsan::host {
 // there): a warning that the schedule restarts. The bug takes effect at the scheduler's first
 // step after the resume: the fresh schedule sets the rate of its own epoch 1 — a warm-up's first
 // rate, a cosine's peak, a step decay counted from zero — where the checkpoint's schedule was at
-// its epoch E. So the first later step whose rate differs from the previous step's is judged
-// (kScheduleStep; the Python package sends one, for an optimizer it watches after such a first
-// step): an error naming the scheduler when
+// its epoch E. So each later step whose rate differs from the previous step's is judged
+// (kScheduleStep; the Python package sends one per change, for an optimizer it watches after such
+// a first step, up to 1000 of them): an error naming the scheduler, at the first change where
 //   * at the first step, the live scheduler of this optimizer (scheduler_type) was found at an
 //     epoch below the checkpoint's (scheduler_epoch_now < scheduler_epoch: it restarted), its rate
 //     at an epoch can be computed (scheduler_by_epoch: LambdaLR, and the closed forms of StepLR,
@@ -98,16 +98,18 @@ namespace trainsan::host {
 //     schedule on purpose) and the rate had not jumped yet (that was the error already);
 //   * the scheduler set the new rate (the group's rate is the scheduler's last rate): a rate set by
 //     hand after the resume is the user's own choice (a documented new value) and ends the watch
-//     silently, as does a first change that agrees with the checkpoint's schedule (below);
+//     silently, as does a scheduler whose rate at an epoch has no formula;
 //   * the new rate differs by more than kLrJump (relative) from the rate the checkpoint's schedule
 //     has at this step (schedule_lr: the live scheduler's own formula evaluated at the checkpoint's
 //     epoch plus the epochs it stepped since the resume — the rate a restored scheduler would have
 //     set). A scheduler that multiplies the rate it finds (ExponentialLR, StepLR: chainable forms)
 //     continues from the restored rate: its changes land on the checkpoint's schedule (StepLR
 //     decays late, and agrees again where it does): silent.
-// Only that first change is judged (one event per resume): CosineAnnealingLR's recursive step from
-// the restored rate moves it by far less than kLrJump from the checkpoint's schedule, and the
-// first step's warning is all it gets.
+// A change that agrees with the checkpoint's schedule keeps the watch: a restart can leave the
+// schedule gradually. CosineAnnealingLR's recursive form continues from the restored rate along a
+// cosine that starts over (flat at its top) where the checkpoint's was already falling: stepped per
+// batch over 1000 steps and resumed at step 16, its 13th change is the first more than kLrJump
+// off (an error there); per epoch, its first change already is.
 // Silent: a restored scheduler (nothing watched), one rebuilt at the checkpoint's epoch
 // (StepLR(..., last_epoch=restored_epoch): scheduler_epoch_now >= scheduler_epoch — not even
 // today's first-step warning), a fine-tune, ReduceLROnPlateau, a constant schedule (its rate never
@@ -304,10 +306,15 @@ void ResumeCheck::scheduler_restart(const ResumeFacts& f, int64_t step) {
   const auto it = restarts_.find(f.opt);
   if (it == restarts_.end()) return;
   const Restart r = it->second;
-  restarts_.erase(it);  // the first change of the rate decides (Note [Restarted schedule])
   const bool by_scheduler =
       !std::isnan(f.lr) && !std::isnan(f.scheduler_lr) && !lr_jumped(f.lr, f.scheduler_lr);
-  if (!by_scheduler || std::isnan(f.schedule_lr) || !lr_jumped(f.lr, f.schedule_lr)) return;
+  if (!by_scheduler || std::isnan(f.schedule_lr)) {  // set by hand, or no formula: the watch ends
+    restarts_.erase(it);
+    return;
+  }
+  // Still on the checkpoint's schedule: watched on, each change judged (Note [Restarted schedule]).
+  if (!lr_jumped(f.lr, f.schedule_lr)) return;
+  restarts_.erase(it);
   const int64_t now = f.scheduler_epoch_now >= 0 ? f.scheduler_epoch_now : r.epoch_then;
   std::ostringstream os;
   os << "the learning-rate scheduler " << r.scheduler << " of " << r.opt

@@ -530,13 +530,26 @@ TEST(RestartedSchedule, AtTheEdgeOfTheJump) {
   // kLrJump = 1e-3 of the larger rate: 1.024 for 1024.
   c.on_resume(first_step_unrestored_scheduler(), 0);
   c.on_resume(rate_changed(1023, 1023), 1);  // 1 apart: the schedule moved as a continued one
-  EXPECT_EQ(sink.calls.size(), 1u);          // the first step's warning alone; the watch ended
-  c.on_resume(rate_changed(100, 100), 2);
+  EXPECT_EQ(sink.calls.size(), 1u);          // the first step's warning alone; watched on
+  c.on_resume(rate_changed(1000, 1000, 1000.5, 2), 2);  // 0.5 apart (the edge is 1): still on it
   EXPECT_EQ(sink.calls.size(), 1u);
+  // It leaves the checkpoint's schedule gradually (a cosine restarted from the restored rate):
+  // the first change more than the edge off is the error.
+  c.on_resume(rate_changed(990, 990, 1000, 3), 3);
+  ASSERT_EQ(sink.calls.size(), 2u);
+  EXPECT_EQ(sink.calls[1].severity, Severity::kError);
+  EXPECT_EQ(sink.calls[1].step, 3);
+  c.on_resume(rate_changed(100, 100, 1000, 4), 4);  // judged once
+  EXPECT_EQ(sink.calls.size(), 2u);
   c.on_resume(first_step_unrestored_scheduler(), 0);
   c.on_resume(rate_changed(1022, 1022), 1);  // 2 apart
-  ASSERT_EQ(sink.calls.size(), 3u);
-  EXPECT_EQ(sink.calls[2].severity, Severity::kError);
+  ASSERT_EQ(sink.calls.size(), 4u);
+  EXPECT_EQ(sink.calls[3].severity, Severity::kError);
+  // A rate set by hand (not the scheduler's last rate) ends the watch silently.
+  c.on_resume(first_step_unrestored_scheduler(), 0);
+  c.on_resume(rate_changed(500, 1024), 1);
+  c.on_resume(rate_changed(100, 100), 2);
+  EXPECT_EQ(sink.calls.size(), 5u);  // the first step's warning alone
 }
 
 TEST(RestartedSchedule, LegitimateTwinsAreSilent) {

@@ -8,7 +8,7 @@ Bugs, each found:
   step (the restored rate still holds), and an error naming the scheduler at the step where the
   fresh schedule takes effect — an HF-style linear warm-up (LambdaLR, stepped per batch), a
   torchvision-style SequentialLR(LinearLR warm-up, CosineAnnealingLR) stepped per epoch, a
-  OneCycleLR;
+  OneCycleLR, and a CosineAnnealingLR stepped per batch (found where it has drifted off);
 * the RNG seeded at the top and not restored, with a shuffling DataLoader: the resumed run draws
   the first epoch's order again — duplicate_batch (warning) at its first step; also when the
   run's seed is set again after the load.
@@ -87,6 +87,10 @@ SCHEDULES = {
     "hf_linear_warmup": (hf_linear, True, 1),
     "torchvision_sequential": (tv_warmup_cosine, False, 8),
     "one_cycle": (one_cycle, True, 1),
+    # CosineAnnealingLR per batch over 1000 steps, resumed at step 16: its recursive form continues
+    # from the restored rate and leaves the checkpoint's cosine gradually (the 13th change is the
+    # first more than 1e-3 off; hand-computed from the two formulas)
+    "cosine_per_batch": (lambda o: L.CosineAnnealingLR(o, T_max=1000), True, 13),
     "constant": (lambda o: L.LambdaLR(o, lambda e: 1.0), True, None),
     "exponential": (lambda o: L.ExponentialLR(o, gamma=0.9), True, None),
     "plateau": (lambda o: L.ReduceLROnPlateau(o, patience=0, factor=0.5), False, None),
@@ -168,7 +172,8 @@ def resume(path, name, how="forget", attach="before", hand_lr=None):
 
 
 @pytest.mark.parametrize("attach", ["before", "after"])
-@pytest.mark.parametrize("name", ["hf_linear_warmup", "torchvision_sequential", "one_cycle"])
+@pytest.mark.parametrize("name", ["hf_linear_warmup", "torchvision_sequential", "one_cycle",
+                                  "cosine_per_batch"])
 def test_a_restarted_schedule_is_an_error_where_it_takes_effect(trained, name, attach):
     at = SCHEDULES[name][2]
     san = resume(trained[name], name, attach=attach)
@@ -177,7 +182,7 @@ def test_a_restarted_schedule_is_an_error_where_it_takes_effect(trained, name, a
     warning, error = san.findings
     assert "the schedule restarts" in warning.message and "restore the scheduler" in warning.message
     kind = {"hf_linear_warmup": "LambdaLR", "torchvision_sequential": "SequentialLR",
-            "one_cycle": "OneCycleLR"}[name]
+            "one_cycle": "OneCycleLR", "cosine_per_batch": "CosineAnnealingLR"}[name]
     assert f"the learning-rate scheduler {kind} of optimizer 0 (AdamW) was rebuilt but not " \
            "restored" in error.message, error.message
     assert "scheduler.load_state_dict" in error.message
@@ -196,7 +201,7 @@ def test_the_hf_warmup_restart_names_the_rates(trained):
 
 
 @pytest.mark.parametrize("name", ["hf_linear_warmup", "torchvision_sequential", "one_cycle",
-                                  "plateau", "exponential"])
+                                  "cosine_per_batch", "plateau", "exponential"])
 def test_a_restored_scheduler_is_silent(trained, name):
     san = resume(trained[name], name, how="restored")
     assert san.findings == [], [f.message for f in san.findings]
