@@ -15,9 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "mnist_loop.h"
 #include "trainsan/trainsan.h"
 
 namespace {
+
+using trainsan_testing::Mnist;
+using trainsan_testing::MnistNet;
 
 struct Net : torch::nn::Module {
   Net() {
@@ -241,102 +245,6 @@ TEST(Attach, OptionsFromTheEnvironment) {
   ::unsetenv("TRAINSAN_OPTIONS");
 }
 
-// The loops of pytorch/examples' LibTorch MNIST, written as it writes them: a map-style dataset
-// with Normalize and Stack, a sequential loader of 64, `AT_ASSERT(!std::isnan(loss.item()))`
-// before the backward, and a test pass of large batches under torch::NoGradGuard after each
-// epoch. More steps than the op audit's first ones (audit_first_steps, 10).
-class Digits : public torch::data::datasets::Dataset<Digits> {
- public:
-  Digits(int64_t size, uint64_t seed) {
-    torch::manual_seed(seed);
-    targets_ = torch::randint(0, 3, {size}, torch::kLong);
-    images_ = torch::rand({size, 1, 12, 12}) * 0.3;
-    for (int64_t i = 0; i < size; ++i) {
-      images_[i].narrow(1, 4 * targets_[i].item<int64_t>(), 4).add_(0.7);
-    }
-  }
-  torch::data::Example<> get(size_t i) override { return {images_[i], targets_[i]}; }
-  torch::optional<size_t> size() const override { return targets_.size(0); }
-
- private:
-  torch::Tensor images_, targets_;
-};
-
-struct MnistNet : torch::nn::Module {
-  MnistNet() : conv1(torch::nn::Conv2dOptions(1, 4, /*kernel_size=*/5)), fc1(64, 16), fc2(16, 3) {
-    register_module("conv1", conv1);
-    register_module("conv1_drop", conv1_drop);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(torch::max_pool2d(conv1_drop->forward(conv1->forward(x)), 2));
-    x = x.view({-1, 64});
-    x = torch::relu(fc1->forward(x));
-    x = torch::dropout(x, /*p=*/0.5, /*training=*/is_training());
-    return torch::log_softmax(fc2->forward(x), /*dim=*/1);
-  }
-  torch::nn::Conv2d conv1;
-  torch::nn::Dropout2d conv1_drop;
-  torch::nn::Linear fc1, fc2;
-};
-
-struct Mnist {
-  explicit Mnist(int64_t train_size = 6 * 64)
-      : train_loader(torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-            Digits(train_size, 7)
-                .map(torch::data::transforms::Normalize<>(0.5, 0.3))
-                .map(torch::data::transforms::Stack<>()),
-            64)),
-        test_loader(
-            torch::data::make_data_loader(Digits(2000, 8)
-                                              .map(torch::data::transforms::Normalize<>(0.5, 0.3))
-                                              .map(torch::data::transforms::Stack<>()),
-                                          1000)) {}
-
-  template <typename Loader>
-  void train(MnistNet& model, Loader& loader, torch::optim::Optimizer& optimizer,
-             trainsan::Sanitizer& san, bool forget_train = false) {
-    if (!forget_train) model.train();
-    size_t batch_idx = 0;
-    for (auto& batch : loader) {
-      auto data = batch.data.to(torch::kCPU), targets = batch.target.to(torch::kCPU);
-      optimizer.zero_grad();
-      if (static_cast<int64_t>(batch_idx) == nan_batch) data[0][0][0][0] = NAN;  // bad sample
-      auto output = model.forward(data);
-      auto loss = torch::nll_loss(output, targets);
-      AT_ASSERT(!std::isnan(loss.template item<float>()));
-      loss.backward();
-      optimizer.step();
-      san.end_step(loss);
-      if (batch_idx++ % 10 == 0) losses.push_back(loss.template item<float>());
-    }
-  }
-
-  template <typename Loader>
-  void test(MnistNet& model, Loader& loader) {
-    torch::NoGradGuard no_grad;
-    model.eval();
-    for (const auto& batch : loader) {
-      auto output = model.forward(batch.data);
-      correct += output.argmax(1).eq(batch.target).sum().template item<int64_t>();
-    }
-  }
-
-  decltype(torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      Digits(1, 0)
-          .map(torch::data::transforms::Normalize<>(0.5, 0.3))
-          .map(torch::data::transforms::Stack<>()),
-      64)) train_loader;
-  decltype(torch::data::make_data_loader(Digits(1, 0)
-                                             .map(torch::data::transforms::Normalize<>(0.5, 0.3))
-                                             .map(torch::data::transforms::Stack<>()),
-                                         1000)) test_loader;
-  std::vector<float> losses;
-  int64_t correct = 0;
-  int64_t nan_batch = -1;  // of each epoch: an input that makes the loss NaN
-};
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
   std::string line, all;
@@ -461,66 +369,6 @@ TEST(Attach, FiniteLossAndProbeNanReadBeforeTheBackwardAreSilent) {
 // watch_loss, end_step) and with the one-line attach, interleaved in rounds; medians of the
 // rounds' ratios to no sanitizer, and what overhead_seconds() says against the difference. On one
 // intra-op thread, timed in this thread's CPU time (a loaded machine's wall clock says little).
-TEST(Attach, DISABLED_CostAgainstTheLongForm) {
-  const int rounds =
-      std::getenv("TRAINSAN_COST_ROUNDS") ? std::atoi(std::getenv("TRAINSAN_COST_ROUNDS")) : 7;
-  std::vector<double> plain, longf, attach, own_long, own_attach;
-  auto cpu_now = [] {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-  };
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
-  Mnist mnist(30 * 64);
-  for (int r = 0; r < rounds + 1; ++r) {
-    for (int which = 0; which < 3; ++which) {
-      torch::manual_seed(0);
-      MnistNet net;
-      torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.01).momentum(0.5));
-      trainsan::Options o = record();
-      std::unique_ptr<trainsan::Sanitizer> san;
-      if (which == 1) san = std::make_unique<trainsan::Sanitizer>(net.named_parameters(), o);
-      if (which == 2) san = std::make_unique<trainsan::Sanitizer>(trainsan::attach(net, opt, o));
-      const double t0 = cpu_now();
-      for (int epoch = 0; epoch < 2; ++epoch) {
-        net.train();
-        for (auto& batch : *mnist.train_loader) {
-          opt.zero_grad();
-          if (which == 1) san->begin_step({batch.data});
-          auto loss = torch::nll_loss(net.forward(batch.data), batch.target);
-          if (which == 1) san->watch_loss(loss);
-          loss.backward();
-          opt.step();
-          if (which == 1) san->end_step();
-          if (which == 2) san->end_step(loss);
-        }
-        mnist.test(net, *mnist.test_loader);
-      }
-      const double dt = cpu_now() - t0;
-      if (r == 0) continue;  // warm-up
-      (which == 0 ? plain : which == 1 ? longf : attach).push_back(dt);
-      if (which == 1) own_long.push_back(san->overhead_seconds());
-      if (which == 2) own_attach.push_back(san->overhead_seconds());
-    }
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  torch::set_num_threads(threads);
-  std::vector<double> rl, ra;
-  for (size_t k = 0; k < plain.size(); ++k) {
-    rl.push_back(longf[k] / plain[k]);
-    ra.push_back(attach[k] / plain[k]);
-  }
-  std::printf(
-      "plain %.4fs  long form x%.3f (own %.4fs, measured +%.4fs)  attach x%.3f (own "
-      "%.4fs, measured +%.4fs)\n",
-      median(plain), median(rl), median(own_long), median(longf) - median(plain), median(ra),
-      median(own_attach), median(attach) - median(plain));
-}
-
 TEST(Attach, ClearErrors) {
   Net net;
   auto other = torch::nn::Linear(2, 2);
