@@ -141,6 +141,36 @@ TEST(MagnitudeCheck, UpdateRatioExtremeFiresOnOneStep) {
             "ratios are 1e-4..1e-2)");
 }
 
+// Note [Manual-mode steps]: a manual-mode step that wrote and changed no parameter applied no
+// update (a micro-batch of an accumulation): neither judged nor counted, and it does not break a
+// run of out-of-band steps; one whose values changed (a write through .data) is judged.
+TEST(MagnitudeCheck, UpdateRatioSkipsManualStepsThatAppliedNoUpdate) {
+  Options o;  // band [1e-8, 1], 3 steps
+  const double low = std::nextafter(o.update_ratio_low, 0.0);
+  FakeSink sink;
+  MagnitudeCheck c(sink, o);
+  auto no_update = [&](int64_t step) {
+    StepView v = ratio_step(step, low);
+    v.unwritten = true;
+    v.totals.changed = 0;
+    return v;
+  };
+  for (int64_t s = 0; s < 6; ++s) c.on_step(no_update(s));  // six micro-batches: silent
+  EXPECT_TRUE(sink.calls.empty());
+  c.on_step(ratio_step(6, low));
+  c.on_step(ratio_step(7, low));
+  c.on_step(no_update(8));  // not counted, and the run goes on
+  EXPECT_TRUE(sink.calls.empty());
+  StepView data_write = ratio_step(9, low);  // unwritten, but its values changed: judged
+  data_write.unwritten = true;
+  data_write.totals.changed = 1;
+  c.on_step(data_write);
+  ASSERT_EQ(sink.calls.size(), 1u);
+  EXPECT_EQ(sink.calls[0].step, 9);
+  EXPECT_NE(sink.calls[0].message.find("for 3 step(s)"), std::string::npos)
+      << sink.calls[0].message;
+}
+
 TEST(MagnitudeCheck, UpdateRatioNeedsAnUpdateAGradientAndALearningRate) {
   Options o;
   FakeSink sink;
