@@ -3,7 +3,10 @@
 // pytorch/examples' LibTorch MNIST (tests/cpp/mnist_loop.h): two epochs of 30 batches of 64 with a
 // test pass of large batches after each, on one intra-op thread. Read the ratios of one run against
 // BM_Mnist/plain; the counter own_ms is the sanitizer's overhead_seconds() per run (what it counts
-// of its own time). bench/README.md, bench/RESULTS.md.
+// of its own time). Two probes bound what any op-callback watch can cost: the plain loop with an
+// empty thread-local RecordFunction callback on all the time, without and with the op's inputs
+// (the dispatcher's per-op price, whatever the callback does). bench/README.md, bench/RESULTS.md.
+#include <ATen/record_function.h>
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
@@ -17,7 +20,18 @@ namespace {
 using trainsan_testing::Mnist;
 using trainsan_testing::MnistNet;
 
-enum Form : int64_t { kPlain = 0, kLongForm = 1, kAttach = 2 };
+enum Form : int64_t {
+  kPlain = 0,
+  kLongForm = 1,
+  kAttach = 2,
+  kEmptyCallback = 3,        // the plain loop under an empty op callback
+  kEmptyCallbackInputs = 4,  // the same, asking for the ops' inputs
+};
+
+std::unique_ptr<at::ObserverContext> empty_callback(const at::RecordFunction& fn) {
+  benchmark::DoNotOptimize(fn.inputs().size());
+  return nullptr;
+}
 
 void BM_Mnist(benchmark::State& state) {
   const auto form = static_cast<Form>(state.range(0));
@@ -34,6 +48,13 @@ void BM_Mnist(benchmark::State& state) {
     std::unique_ptr<trainsan::Sanitizer> san;
     if (form == kLongForm) san = std::make_unique<trainsan::Sanitizer>(net.named_parameters(), o);
     if (form == kAttach) san = std::make_unique<trainsan::Sanitizer>(trainsan::attach(net, opt, o));
+    at::CallbackHandle handle = at::INVALID_CALLBACK_HANDLE;
+    if (form == kEmptyCallback || form == kEmptyCallbackInputs) {
+      handle = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(&empty_callback)
+              .needsInputs(form == kEmptyCallbackInputs)
+              .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+    }
     state.ResumeTiming();
     for (int epoch = 0; epoch < 2; ++epoch) {
       net.train();
@@ -50,15 +71,18 @@ void BM_Mnist(benchmark::State& state) {
       mnist.test(net, *mnist.test_loader);
     }
     state.PauseTiming();
+    if (handle != at::INVALID_CALLBACK_HANDLE) at::removeCallback(handle);
     if (san) own += san->overhead_seconds();
     san.reset();
     state.ResumeTiming();
   }
   state.counters["own_ms"] =
       benchmark::Counter(own * 1e3 / static_cast<double>(state.iterations()));
-  state.SetLabel(form == kPlain ? "plain" : form == kLongForm ? "long form" : "one-line attach");
+  const char* labels[] = {"plain", "long form", "one-line attach", "empty op callback",
+                          "empty op callback with inputs"};
+  state.SetLabel(labels[form]);
 }
-BENCHMARK(BM_Mnist)->Arg(kPlain)->Arg(kLongForm)->Arg(kAttach)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Mnist)->DenseRange(kPlain, kEmptyCallbackInputs)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
