@@ -5,6 +5,7 @@ journal, an attach judges what it can see (Note [Loads before attach])."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from typing import Optional
@@ -32,22 +33,16 @@ from .checkpoint import state_mismatches
 # dropped keys, a state restored by position, the data position — needs the journal: one line,
 # trainsan.watch_loads(), before the loads.
 def _scheduler_epochs(opt) -> list:
-    """The last_epoch of each learning-rate scheduler that holds `opt` (one walk of the
-    optimizer's referrers: the scheduler, or its __dict__ where that is a dict of its own, as
-    after its load_state_dict)."""
-    import gc
+    """The last_epoch of each learning-rate scheduler over `opt` that keeps base rates (not
+    ReduceLROnPlateau), found by _schedulers_of's walk of the optimizer's referrers."""
+    return [_epoch_of(s) for s in _schedulers_of(opt)
+            if "base_lrs" in vars(s) and _epoch_of(s) >= 0]
 
-    from torch.optim.lr_scheduler import LRScheduler
 
-    out = []
-    for r in gc.get_referrers(opt):
-        d = vars(r) if isinstance(r, LRScheduler) else r
-        if isinstance(d, dict) and d.get("optimizer") is opt and "base_lrs" in d:
-            epoch = d.get("last_epoch")
-            if isinstance(epoch, int) and not isinstance(epoch, bool):
-                out.append(epoch)
-    return out
-
+def _epoch_of(sched) -> int:
+    """A scheduler's last_epoch; -1 where it has none."""
+    e = getattr(sched, "last_epoch", None)
+    return e if isinstance(e, int) and not isinstance(e, bool) else -1
 
 
 def _schedulers_of(opt) -> list:
@@ -77,6 +72,7 @@ def _schedulers_of(opt) -> list:
 # Note [Restarted schedule]: how many changes of a watched optimizer's rate are sent at most (a
 # restart that leaves the checkpoint's schedule gradually does so within a few dozen changes).
 _SCHEDULE_CHANGES = 1000
+
 
 def _rate_at(sched, epoch: int) -> float:
     """The first group's rate `sched` sets at `epoch` by its own formula (LambdaLR, and the
@@ -134,6 +130,18 @@ def _stateful(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class _RateWatch:
+    """An unrestored scheduler behind the checkpoint's epoch, its optimizer's rate watched
+    (Note [Restarted schedule])."""
+
+    sched: "weakref.ref"  # the live scheduler
+    epoch_then: int  # its last_epoch at the optimizer's first step after the resume
+    checkpoint_epoch: int  # the saved scheduler's last_epoch
+    rate: float  # the group's rate at the last step seen
+    changes: int = 0  # changes of the rate sent so far
+
+
 class ResumeWatch:
     """The resume facts of one sanitizer (Note [Resume checks])."""
 
@@ -147,9 +155,7 @@ class ResumeWatch:
         self._data: Optional[CkptInfo] = None  # the data position to judge (Note [Data position])
         # optimizer index -> its scheduler's epoch, seen at attach (Note [Loads before attach])
         self._at_attach: dict = {}
-        # optimizer index -> [weakref to its unrestored scheduler, its epoch at the first step,
-        # the checkpoint's scheduler epoch, the rate then]: watched until the rate first changes
-        # (Note [Restarted schedule])
+        # optimizer index -> its unrestored scheduler's watch (Note [Restarted schedule])
         self._lr_watch: dict = {}
 
     def _san(self):
@@ -255,21 +261,20 @@ class ResumeWatch:
         sent (kScheduleStep; the rule decides, and ignores what comes after its verdict), up to
         _SCHEDULE_CHANGES changes."""
         san = self._san()
-        ref, then, saved, before, _ = self._lr_watch[k]
-        sched = ref()
+        w = self._lr_watch[k]
+        sched = w.sched()
         if san is None or sched is None:
             del self._lr_watch[k]
             return
         lr = _group_rate(san.optimizers[k])
-        if lr == before or (math.isnan(lr) and math.isnan(before)):
+        if lr == w.rate or (math.isnan(lr) and math.isnan(w.rate)):
             return
-        watch = self._lr_watch[k]
-        watch[3] = lr
-        watch[4] += 1
-        now = getattr(sched, "last_epoch", None)
-        now = now if isinstance(now, int) and not isinstance(now, bool) else -1
-        schedule_lr = _rate_at(sched, saved + now - then) if now >= 0 else math.nan
-        if watch[4] >= _SCHEDULE_CHANGES or math.isnan(schedule_lr):
+        w.rate = lr
+        w.changes += 1
+        now = _epoch_of(sched)
+        schedule_lr = (_rate_at(sched, w.checkpoint_epoch + now - w.epoch_then) if now >= 0
+                       else math.nan)
+        if w.changes >= _SCHEDULE_CHANGES or math.isnan(schedule_lr):
             del self._lr_watch[k]  # enough changes, or no formula to judge them by
         self._send(moment=3, opt=k, lr=lr, scheduler_lr=_last_rate(sched), scheduler_epoch_now=now,
                    schedule_lr=schedule_lr)
@@ -277,26 +282,27 @@ class ResumeWatch:
     def _live_scheduler(self, k: int, opt, info: CkptInfo) -> dict:
         """ResumeFacts of the scheduler over optimizer k at its first step after a load whose
         checkpoint holds a scheduler state that was not restored (Note [Restarted schedule]); the
-        watch begins where it is behind the checkpoint's."""
-        scheds = _schedulers_of(opt)
-        if not scheds:
+        watch begins where it is behind the checkpoint's. {} where there is none, or where finding
+        it failed (never the user's step's failure)."""
+        try:
+            scheds = _schedulers_of(opt)
+            if not scheds:
+                return {}
+            # The furthest along (a scheduler replaced by another one may linger until the
+            # collector runs; a container, listed first, is at least as far as the schedulers it
+            # holds).
+            by_epoch = [x for x in scheds if not math.isnan(_rate_at(x, 0))]
+            sched = max(by_epoch or scheds, key=_epoch_of)
+            epoch = _epoch_of(sched)
+            if epoch < 0:
+                return {}
+            if by_epoch and k in self._restored and epoch < info.scheduler_epoch:
+                self._lr_watch[k] = _RateWatch(weakref.ref(sched), epoch, info.scheduler_epoch,
+                                               _group_rate(opt))
+            return dict(scheduler_type=type(sched).__name__, scheduler_epoch_now=epoch,
+                        scheduler_by_epoch=bool(by_epoch))
+        except Exception:  # noqa: BLE001 - never fail the user's step over this
             return {}
-        def epoch_of(x) -> int:
-            e = getattr(x, "last_epoch", None)
-            return e if isinstance(e, int) and not isinstance(e, bool) else -1
-
-        # The furthest along (a scheduler replaced by another one may linger until the collector
-        # runs; a container, listed first, is at least as far as the schedulers it holds).
-        by_epoch = [x for x in scheds if not math.isnan(_rate_at(x, 0))]
-        sched = max(by_epoch or scheds, key=epoch_of)
-        epoch = epoch_of(sched)
-        if epoch < 0:
-            return {}
-        if by_epoch and k in self._restored and epoch < info.scheduler_epoch:
-            self._lr_watch[k] = [weakref.ref(sched), epoch, info.scheduler_epoch,
-                                 _group_rate(opt), 0]
-        return dict(scheduler_type=type(sched).__name__, scheduler_epoch_now=epoch,
-                    scheduler_by_epoch=bool(by_epoch))
 
     def seen_at_attach(self) -> None:
         """Note [Loads before attach]: what an attach made without the journal can still see."""
@@ -347,19 +353,12 @@ class ResumeWatch:
         sched_ok = k in self._sched_restored
         self._lr_watch.pop(k, None)
         if info.scheduler_epoch > 0 and not sched_ok:
-            facts.update(_live_scheduler_facts(self, k, opt, info))
+            facts.update(self._live_scheduler(k, opt, info))
         self._send(moment=2, opt=k, optimizer_type=type(opt).__name__, progress=info.progress,
                    optimizer_with_state=with_state, scheduler_epoch=info.scheduler_epoch,
                    checkpoint_has_optimizer_state=info.has_optimizer_state,
                    optimizer_restored=k in self._restored, stateful=_stateful(opt),
                    scheduler_restored=sched_ok, lr=lr, checkpoint_lr=info.lr, **facts)
-
-
-def _live_scheduler_facts(watch: ResumeWatch, k: int, opt, info: CkptInfo) -> dict:
-    try:
-        return watch._live_scheduler(k, opt, info)
-    except Exception:  # noqa: BLE001 - never fail the user's step over this: no scheduler facts
-        return {}
 
 
 def _prefix(missing: list, unexpected: list) -> tuple:
