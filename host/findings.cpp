@@ -5,6 +5,13 @@
 
 namespace trainsan::host {
 
+namespace {
+// A finding's identity in the store: its kind's name and its subject.
+std::string key_of(const std::string& kind, const std::string& tensor) {
+  return kind + '\x1f' + tensor;
+}
+}  // namespace
+
 const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std::string& message,
                                  std::optional<double> value, int64_t step,
                                  std::optional<Severity> severity) {
@@ -14,7 +21,7 @@ const Finding* FindingStore::add(Kind kind, const std::string& tensor, const std
   }
   if (!enabled_[static_cast<size_t>(kind)]) return nullptr;
   const KindInfo& k = info(kind);
-  const std::string key = std::string(k.name) + '\x1f' + tensor;
+  const std::string key = key_of(k.name, tensor);
   auto it = index_.find(key);
   if (it != index_.end()) {
     Finding& f = findings_[it->second];
@@ -44,13 +51,13 @@ std::vector<Finding> FindingStore::all() const {
 
 void FindingStore::said(Kind kind, const std::string& tensor) {
   const std::lock_guard<std::mutex> lock(mu_);
-  said_.insert(std::string(info(kind).name) + '\x1f' + tensor);
+  said_.insert(key_of(info(kind).name, tensor));
 }
 
 void FindingStore::say_fresh(const std::string& policy) {
   const std::lock_guard<std::mutex> lock(mu_);
   for (const Finding& f : fresh_) {
-    const std::string key = f.kind + '\x1f' + f.tensor;
+    const std::string key = key_of(f.kind, f.tensor);
     if (policy_action(policy, f) == Action::kNone || said_.count(key) != 0) continue;
     print_finding(f);
     said_.insert(key);
@@ -59,13 +66,13 @@ void FindingStore::say_fresh(const std::string& policy) {
 
 bool FindingStore::was_said(const Finding& f) const {
   const std::lock_guard<std::mutex> lock(mu_);
-  return said_.count(f.kind + '\x1f' + f.tensor) > 0;
+  return said_.count(key_of(f.kind, f.tensor)) > 0;
 }
 
 Finding FindingStore::attribute(const Finding& fallback, std::optional<bool> reproduces,
                                 const std::string& text) {
   const std::lock_guard<std::mutex> lock(mu_);
-  auto it = index_.find(fallback.kind + '\x1f' + fallback.tensor);
+  auto it = index_.find(key_of(fallback.kind, fallback.tensor));
   Finding* f = nullptr;
   Finding copy = fallback;
   if (it != index_.end()) {
