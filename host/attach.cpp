@@ -39,24 +39,31 @@ namespace trainsan {
 //   a reason to miss the next one. (It was a bound of 4096 ops since end_step: pytorch/examples'
 //   MNIST, whose test pass loads batches of 1000 examples at ~8 ops each, hid the first training
 //   forward of every epoch, and with it an eval mode left by that pass until the step after.)
-// - The loss: from the first grad-enabled forward until the backward begins, a one-element
-//   tensor with a graph that the program reads (aten::item) — `AT_ASSERT(!std::isnan(
-//   loss.item<float>()))` before loss.backward(), as pytorch/examples' MNIST writes it — is read
-//   too, and when its value is not finite it is the step's loss, checked there (unless its graph
-//   reaches none of the model's parameters: a probe model's), written to the trace at once and
-//   printed under warn and raise (raised at the next event: a callback cannot throw), so the
-//   program's own assert does not abort it away. A finite one may be any scalar the program
-//   logs: it is end_step's to check, and end_step(loss) does not check a loss seen here twice.
-//   The loss is not seen at the backward's entry: Tensor::backward()'s dispatcher op
-//   (aten::_backward) is not observed by RecordFunction (tried: no callback sees it), and a CUDA
-//   backward's nodes run on the device's thread; a NaN loss read only after its backward is
-//   end_step's. The backward's beginning is seen as its first node on this thread (a CPU
+// - The loss: Tensor::backward() (and torch::autograd::backward/grad without a gradient) seeds
+//   its root's gradient with ones_like(root, LEGACY_CONTIGUOUS_MEMORY_FORMAT) on the calling
+//   thread before the engine runs, so the root of the step's backward is seen there, for a CPU
+//   and a CUDA backward alike (a program's own ones_like keeps the default memory format:
+//   not a root). A root whose graph reaches none of the model's parameters (a probe's) is not
+//   the step's and the watch waits on. A CPU root is read there and, when not finite, checked as
+//   the step's loss at once: written to the trace, printed under warn and raise (raised at the
+//   next event: a callback cannot throw), so a program that aborts after its backward does not
+//   take it away. A finite root is left to end_step(loss): it may be a scaled loss
+//   ((loss * scale).backward() with a hand-written scaler), which must not enter the loss
+//   stream. A CUDA root is not read (the CPU would wait for the forward); instead, until the
+//   optimizer's update, the program's reads of it are watched. From the first grad-enabled
+//   forward until then, a one-element tensor with a graph that the program reads (aten::item,
+//   isnan, isinf, isfinite) — `AT_ASSERT(!std::isnan(loss.item<float>()))`, before the backward
+//   as pytorch/examples' MNIST writes it, or after it — is read too, and when not finite it is
+//   the step's loss (its check drained from the read-back queue at once: the program waits for
+//   the value anyway). end_step(loss) does not check a loss seen here twice. A backward given an
+//   explicit gradient has no ones_like: its beginning is its first node on this thread (a CPU
 //   backward) or the first in-place write of a parameter (the optimizer step, through .data()
 //   too) after the forward. Once every group's training forward was seen and the backward began
-//   (or kMaxOpsAfterForward, 32768 ops after the first training forward, passed: a group whose
-//   forward never comes), the callback is removed, so the rest of the step runs without it. Its
-//   own time goes to the sanitizer's (Note [Own time]), taken at each event; the dispatcher's
-//   boxing of each op's inputs for it is not in that measure.
+//   (for a CUDA root: the update; or kMaxOpsAfterForward, 32768 ops after the first training
+//   forward, passed: a group whose forward never comes), the callback is removed, so the rest of
+//   the step runs without it. Its own time goes to the sanitizer's (Note [Own time]), taken at
+//   each event, with the dispatcher's price of calling it (Note [Watch price] in
+//   host/forward_watch.cpp).
 // - The step: an optimizer step updates its parameters in place, which moves their version
 //   counters; at end_step, each optimizer whose parameters' versions moved since the previous
 //   end_step is judged (step_end), with its param groups' learning rates as they are then. An

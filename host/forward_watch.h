@@ -1,9 +1,9 @@
 // ForwardWatch: sees a model's forward in a LibTorch program, which has no module hooks, at its
-// first op that reads one of the model's parameters together with a batch, and a non-finite loss
-// the program reads before its backward (Note [C++ attach] in host/attach.cpp). A thread-local
-// RecordFunction callback, registered only while armed: from the end of a step until the step's
-// training forwards were seen and its backward began, so the rest of the backward and the
-// optimizer step of a healthy loop run without it.
+// first op that reads one of the model's parameters together with a batch, and the step's loss at
+// the start of its backward or when the program reads a non-finite one (Note [C++ attach] in
+// host/attach.cpp). A thread-local RecordFunction callback, registered only while armed: from the
+// end of a step until the step's training forwards were seen and its backward began, so the rest
+// of a healthy step runs without it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,7 +12,6 @@
 #include <functional>
 #include <memory>
 #include <thread>
-#include <unordered_set>
 #include <vector>
 
 namespace trainsan::host {
@@ -25,10 +24,15 @@ class ForwardWatch {
   /// the model made of it before its first parameter). Per group: called once under no_grad,
   /// and once under grad mode, after which that group is done.
   using OnForward = std::function<void(std::vector<at::Tensor> batch, int64_t group)>;
-  /// Called when the program reads (Tensor::item()) a one-element tensor with a graph between a
-  /// grad-enabled forward and the backward, and its value is not finite: the step's loss, about
-  /// to be asserted on (Note [C++ attach]).
-  using OnBackward = std::function<void(const at::Tensor& root)>;
+  /// How a one-element tensor with a graph reached the watch after a training forward.
+  enum class LossMoment {
+    kBackward,  // the root of a backward (Tensor::backward() seeds it with ones_like)
+    kRead,      // the program reads its value (item(), isnan(), ...) and the value is not finite
+  };
+  /// Called with the step's loss candidate (Note [C++ attach]). Returns whether the sanitizer
+  /// took it as the step's loss (its graph reaches the model's parameters): a probe's backward
+  /// does not end the watch.
+  using OnLoss = std::function<bool(const at::Tensor& root, LossMoment moment)>;
   /// Bounds on the ops the callback looks at (Note [C++ attach]): since arm() while no
   /// grad-enabled forward came (a validation pass, data loading, the program's end), and since
   /// the first grad-enabled forward while a group's forward or the backward is still to come.
@@ -37,7 +41,7 @@ class ForwardWatch {
 
   /// `groups[k]`: the group of params[k] (any integer; one group for all is fine).
   ForwardWatch(const std::vector<at::Tensor>& params, const std::vector<int64_t>& groups,
-               OnForward on_forward, OnBackward on_backward = nullptr);
+               OnForward on_forward, OnLoss on_loss = nullptr);
   ~ForwardWatch();
   ForwardWatch(const ForwardWatch&) = delete;
   ForwardWatch& operator=(const ForwardWatch&) = delete;
@@ -46,10 +50,15 @@ class ForwardWatch {
   void arm();
   void disarm();
   bool armed() const;
-  /// Seconds spent in the callback since the last call (Note [Own time]: the sanitizer adds them
-  /// to its own time), and ops it looked at in all.
+  /// Seconds the watch cost since the last call (Note [Own time]: the sanitizer adds them to its
+  /// own time): its callback's work, and the dispatcher's price of calling it at each op it saw
+  /// (Note [Watch price]).
   double take_seconds();
+  /// Ops it looked at in all.
   int64_t ops_seen() const;
+  /// The dispatcher's price of one op call with the watch's callback, measured once per process
+  /// (Note [Watch price]).
+  static double price_per_op();
 
   struct State;
 

@@ -169,7 +169,9 @@ SanitizerImpl::SanitizerImpl(std::vector<Parameter> parameters, Options options,
         [this](std::vector<at::Tensor> batch, int64_t opt) {
           forward_seen(std::move(batch), have_optimizer ? opt : -1);
         },
-        [this](const at::Tensor& root) { loss_read(root); });
+        [this](const at::Tensor& root, ForwardWatch::LossMoment moment) {
+          return loss_seen(root, moment);
+        });
     watch->arm();
   }
 }
@@ -191,24 +193,38 @@ void SanitizerImpl::forward_seen(std::vector<at::Tensor> batch, int64_t opt) {
   forward(f);
 }
 
-// Note [C++ attach]'s loss: a non-finite one-element tensor with a graph that the program reads
-// (item()) between a training forward and the backward. Inside that op's dispatch: nothing here
-// may throw into it; a finding is written to the trace at once (one write(2) a line) and printed
-// under policies warn and raise, before a program that asserts on the value can abort; "raise"
-// raises at the next event.
-void SanitizerImpl::loss_read(const at::Tensor& root) {
-  if (closed || !fault.empty() || grads.in_step()) return;  // a closure's backward: its step's
-  const OwnClock clock(time);                               // Note [Own time]
+// Note [C++ attach]'s loss: the root of the step's backward, or a non-finite one-element tensor
+// with a graph that the program reads after a training forward. Inside that op's dispatch:
+// nothing here may throw into it; a finding is written to the trace at once (one write(2) a line)
+// and printed under policies warn and raise, before a program that asserts on the value can
+// abort; "raise" raises at the next event.
+bool SanitizerImpl::loss_seen(const at::Tensor& root, ForwardWatch::LossMoment moment) {
+  if (closed || !fault.empty() || grads.in_step()) return false;  // a closure's: its step's
+  const OwnClock clock(time);                                     // Note [Own time]
   try {
     // Our own ops: seen by no observer (the op audit of a sampled step is still on).
     const at::RecordFunctionGuard unobserved(/*is_enabled=*/false);
-    if (foreign.loss_reaches(root) == 0) return;  // another model's (a probe, a copy)
-    loss(root);
-    backward_losses.emplace_back(root.getIntrusivePtr());
+    if (!loss_seen_at_backward(root)) {
+      if (foreign.loss_reaches(root) == 0) return false;  // another model's (a probe, a copy)
+      // At its backward a loss is only read where that costs no wait (on the CPU); a device
+      // loss is end_step's, or checked here when the program reads it before the update. It is
+      // not taken into the loss stream here: the root may be a scaled loss
+      // ((loss * scale).backward()), and end_step(loss) gives the loss itself.
+      if (moment == ForwardWatch::LossMoment::kBackward &&
+          (!root.device().is_cpu() || std::isfinite(root.detach().item<double>()))) {
+        return true;
+      }
+      loss(root);
+      backward_losses.emplace_back(root.getIntrusivePtr());
+    }
+    // A device loss's check waits in the read-back queue: the program reads the value now (it
+    // waits for it anyway), so the queue is drained now, before it can abort.
+    readback.drain_all();
     if (!setup.report) store.say_fresh(opts.policy);
   } catch (const std::exception&) {
     // end_step(loss) checks it again
   }
+  return true;
 }
 
 bool SanitizerImpl::loss_seen_at_backward(const at::Tensor& loss) const {

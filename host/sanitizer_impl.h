@@ -69,10 +69,11 @@ struct SanitizerImpl {
   // trainsan::attach (Setup::binding; Note [C++ attach] in attach.cpp): a forward seen by the
   // watch, and the end of an iteration (each optimizer whose step ran is judged).
   void forward_seen(std::vector<at::Tensor> batch, int64_t opt);
-  /// A non-finite one-element tensor with a graph the program reads between a training forward
-  /// and its backward: the step's loss, checked and said now (Note [C++ attach]).
-  void loss_read(const at::Tensor& root);
-  /// Whether `loss` was checked by loss_read since the last iteration's end (end_step(loss) does
+  /// The step's loss as the watch saw it (Note [C++ attach]): the root of a backward, or a
+  /// non-finite one-element tensor with a graph that the program reads. A non-finite one is
+  /// checked and said now. Returns whether it is the model's loss (a probe's is not).
+  bool loss_seen(const at::Tensor& root, ForwardWatch::LossMoment moment);
+  /// Whether `loss` was checked by loss_seen since the last iteration's end (end_step(loss) does
   /// not check it twice).
   bool loss_seen_at_backward(const at::Tensor& loss) const;
   void end_iteration(bool backward_ran);
@@ -185,7 +186,7 @@ struct SanitizerImpl {
   std::set<std::string> events_seen;
   // trainsan::attach: begin_step()'s inputs, for the forward the watch sees next.
   std::vector<at::Tensor> pending_inputs;
-  // trainsan::attach: the losses checked by loss_read since the last iteration's end.
+  // trainsan::attach: the losses checked by loss_seen since the last iteration's end.
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> backward_losses;
 
   // The feeders (Note [Feeders]): what each sees of this sanitizer, each by name, and all of them

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "forward_watch.h"
 #include "mnist_loop.h"
 #include "trainsan/trainsan.h"
 
@@ -364,11 +365,113 @@ TEST(Attach, FiniteLossAndProbeNanReadBeforeTheBackwardAreSilent) {
   EXPECT_EQ(c.training_forwards, 12);
 }
 
-// Cost (run by hand: --gtest_also_run_disabled_tests --gtest_filter=*Cost*): the MNIST loop
-// above with no sanitizer, with the long form (Sanitizer over named_parameters, begin_step,
-// watch_loss, end_step) and with the one-line attach, interleaved in rounds; medians of the
-// rounds' ratios to no sanitizer, and what overhead_seconds() says against the difference. On one
-// intra-op thread, timed in this thread's CPU time (a loaded machine's wall clock says little).
+// A program that checks its loss only after the backward (or not at all) and aborts there: the
+// NaN loss is taken at the backward's root (Tensor::backward() seeds it with ones_like) and is in
+// the trace before the abort. A probe model's backward before it does not end the watch.
+TEST(Attach, NanLossIsTakenAtItsBackward) {
+  const std::string path = ::testing::TempDir() + "trainsan_attach_nan_backward.jsonl";
+  std::remove(path.c_str());
+  torch::manual_seed(0);
+  Net net;
+  auto probe = torch::nn::Linear(8, 1);
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  trainsan::Options o = record();
+  o.trace = path;
+  auto san = trainsan::attach(net, opt, o);
+  bool aborted = false;
+  try {
+    for (int i = 0; i < 8; ++i) {
+      auto x = torch::randn({16, 8});
+      if (i == 5) x[0][0] = NAN;
+      opt.zero_grad();
+      auto loss = net.forward(x).pow(2).mean();
+      probe->forward(x.abs()).mean().backward();  // a probe's backward first
+      loss.backward();
+      TORCH_CHECK(i != 5, "the program's own abort, without reading the loss");
+      opt.step();
+      san.end_step(loss);
+    }
+  } catch (const c10::Error&) {
+    aborted = true;
+  }
+  EXPECT_TRUE(aborted);
+  EXPECT_NE(read_file(path).find("nonfinite_loss at step 5"), std::string::npos) << read_file(path);
+  san.close();
+  EXPECT_EQ(dump(san).find("nonfinite_loss @5"), 0u) << dump(san);
+}
+
+TEST(Attach, NanLossReadAfterTheBackwardIsSeenOnceAndCleanStepsAreCheckedOnce) {
+  // `loss.backward(); AT_ASSERT(!isnan(loss.item()))`: the NaN is reported once (at the
+  // backward, on the CPU), not again at the read; the clean steps' losses once each, at end_step.
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.1);
+  auto san = trainsan::attach(net, opt, record());
+  int checked_before = -1;
+  for (int i = 0; i < 8; ++i) {
+    auto x = torch::randn({16, 8});
+    if (i == 6) x[0][0] = INFINITY;
+    opt.zero_grad();
+    auto loss = net.forward(x).pow(2).mean();
+    loss.backward();
+    if (i == 6) {
+      checked_before = static_cast<int>(san.coverage().losses_checked);
+      EXPECT_FALSE(std::isfinite(loss.item<float>()));
+    }
+    opt.step();
+    san.end_step(loss);
+  }
+  const trainsan::Coverage c = san.coverage();
+  san.close();
+  EXPECT_EQ(checked_before, 7);  // steps 0-5 at their end_step, step 6 at its backward
+  EXPECT_EQ(c.losses_checked, 8);
+  int nonfinite = 0;
+  for (const auto& f : san.findings()) nonfinite += f.kind == "nonfinite_loss" ? 1 : 0;
+  EXPECT_EQ(nonfinite, 1) << dump(san);
+}
+
+TEST(Attach, ScaledLossBackwardIsNotTheLossStream) {
+  // A hand-written loss scaler: (loss * scale).backward() with a scale that doubles every few
+  // steps, end_step(loss) with the loss itself. The root of the backward is the scaled loss: not
+  // taken into the loss stream (no loss_spike from the scale), each loss checked once.
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net.parameters(), 0.01);
+  auto san = trainsan::attach(net, opt, record());
+  double scale = 1024.0;
+  for (int i = 0; i < 30; ++i) {
+    if (i % 4 == 3) scale *= 2.0;
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net.forward(torch::randn({32, 8})),
+                                                     torch::randint(0, 3, {32}));
+    (loss * scale).backward();
+    for (auto& p : net.parameters()) p.mutable_grad().div_(scale);
+    opt.step();
+    san.end_step(loss);
+  }
+  const trainsan::Coverage c = san.coverage();
+  san.close();
+  EXPECT_EQ(dump(san), "");
+  EXPECT_EQ(c.losses_checked, 30);
+}
+
+TEST(Attach, WatchTimeIncludesTheDispatcherPrice) {
+  // Note [Watch price]: the price per op is measured (a sane figure: under 50 us on any machine
+  // that runs this suite), and a watch's time is at least that price times the ops it saw.
+  const double price = trainsan::host::ForwardWatch::price_per_op();
+  EXPECT_GE(price, 0.0);
+  EXPECT_LT(price, 50e-6);
+  auto w = torch::randn({4, 3}, torch::requires_grad());
+  trainsan::host::ForwardWatch watch({w}, {0}, [](std::vector<at::Tensor>, int64_t) {});
+  watch.arm();
+  auto x = torch::randn({2, 4});
+  for (int k = 0; k < 10; ++k) x = x * 1.5;  // no forward: ops the watch looks at
+  (void)x.matmul(w);
+  const int64_t ops = watch.ops_seen();
+  EXPECT_GE(ops, 11);
+  EXPECT_GE(watch.take_seconds(), static_cast<double>(ops) * price * 0.999);
+}
+
 TEST(Attach, ClearErrors) {
   Net net;
   auto other = torch::nn::Linear(2, 2);
