@@ -150,4 +150,31 @@ std::optional<int64_t> leaked_column(const double* table, int64_t rows, int64_t 
   return std::nullopt;
 }
 
+std::optional<ClassLayout> class_layout(const Shape& input) {
+  if (input.empty()) return std::nullopt;
+  ClassLayout l;
+  l.dim = input.size() >= 2 ? 1 : 0;
+  l.classes = input[static_cast<size_t>(l.dim)];
+  l.rows = l.classes > 0 ? numel_of(input) / l.classes : 0;
+  return l;
+}
+
+double row_sum_tolerance(double eps) { return std::max(kRowSumTolerance, 4.0 * eps); }
+
+namespace {
+bool within_unit_interval(const ProbSummary& s) {
+  return s.numel > 0 && std::isfinite(s.lo) && std::isfinite(s.hi) && s.lo >= 0.0 && s.hi <= 1.0;
+}
+}  // namespace
+
+bool rows_are_probabilities(const ProbSummary& s, const ClassLayout& l, double tolerance) {
+  return l.classes >= 2 && l.rows >= 1 && within_unit_interval(s) && std::isfinite(s.max_dev) &&
+         s.max_dev <= tolerance;
+}
+
+bool looks_like_sigmoid(const ProbSummary& s) {
+  return s.numel >= kSigmoidMinElements && within_unit_interval(s) && s.hi >= kSigmoidMinMax &&
+         4 * s.zeros <= s.numel;
+}
+
 }  // namespace trainsan::host::audit
