@@ -2,6 +2,7 @@
 // a loss that applies softmax or sigmoid itself (Note [Probabilities as logits]).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cmath>
 #include <limits>
@@ -36,32 +37,42 @@ namespace trainsan::host::audit {
 //   row (each element's relative rounding error is <= eps/2 and the row sums to 1), measured
 //   2.7e-4 (float16) and 2.3e-3 (bfloat16) over 2..50257 classes, so 4 eps is 8x that bound.
 //   One row is enough: one sample's softmax is the bug already. An empty input says nothing.
-// * binary losses (looks_like_sigmoid), per call site (the finding's name: op and source line;
-//   the op alone in a C++ program): at least kSigmoidMinElements (64) elements, every one finite
-//   and in [0, 1], the largest at least 0.5, at most a quarter exactly 0; on kSigmoidSteps (3)
-//   audited steps in a row on which every call of the site was so (SigmoidRun in Core; a call
-//   that was not breaks the run). A single binary output has too little evidence: hence the
-//   element count and the steps.
-// Silent twins, each by one clause: raw logits of a trained or untrained model have both signs
-// (a fresh linear layer's outputs straddle 0); log_softmax output into cross_entropy is <= 0 and
-// harmless (log_softmax is idempotent: same loss, same gradient), as are log-probabilities into
-// nll_loss (a row of log-probabilities in [0, 1] is all 0, summing to 0); label smoothing, soft
-// (probability) targets, class weights and ignore_index concern the target, not the input; the
-// right pairing F.binary_cross_entropy(sigmoid(z), y) is another op (no row here); a ReLU head
-// into BCE-with-logits is unbounded above (silent at its first value > 1) and exactly 0 for about
-// half its outputs, where a sigmoid is exactly 0 only for arguments below about -17 (float16) or
-// -104 (float32); a zero-initialised head gives exactly 0 everywhere at its first step (no
-// evidence of a sigmoid: more than a quarter zeros), then small values of both signs, or, when
-// the labels are all of one class, small values of one sign far below 0.5 (the largest-value
-// clause). A class loss needs one audited step: a model's logits are in [0, 1] with every row
-// summing to 1 within 1e-3 only by a coincidence that repeats on no other batch.
+// * binary losses: the input was made by a sigmoid (torch.sigmoid, expit, hardsigmoid: the
+//   autograd node that made it, past nodes that keep its values — view, reshape, squeeze, select,
+//   slice, index, a dtype cast; producer_of), and its values look like a sigmoid's
+//   (looks_like_sigmoid): at least kSigmoidMinElements (64) elements, every one finite and in
+//   [0, 1], the largest at least kSigmoidMinMax (0.1: some sigmoid argument >= -2.2), at most a
+//   quarter exactly 0; on kSigmoidSteps (3) audited steps in a row on which every call of the site
+//   (the finding's name: op and source line; the op alone in a C++ program) was so (SigmoidRun in
+//   Core; a call that was not breaks the run; steps not audited neither count nor break it). The
+//   values alone are no evidence: an untrained head over features of little spread (a GRU's last
+//   state) gives logits of one sign, all in [0.2, 0.49] for ten steps in the zoo's twin, as a ReLU
+//   head's outputs can be, or a zero-initialised head's trained on one class; hence the producer.
+//   The largest value is not asked to reach 0.5: the double sigmoid drives every value down (the
+//   gradient sigmoid(p) - y is >= 0.5 for a negative, at most 0.27 in size for a positive), 0.53
+//   -> 0.49 by the third step and 0.16 by the 50th in the zoo's GRU case.
+// Silent twins, each by one clause: raw logits of a model into cross_entropy have rows that do not
+// sum to 1 even where they are all in [0, 1] (an untrained model's logits near 0 have both signs);
+// log_softmax output into cross_entropy is <= 0 and harmless (log_softmax is idempotent: same
+// loss, same gradient), as are log-probabilities into nll_loss (a row of log-probabilities in
+// [0, 1] is all 0, summing to 0); label smoothing, soft (probability) targets, class weights and
+// ignore_index concern the target, not the input; the right pairing
+// F.binary_cross_entropy(sigmoid(z), y) is another op (no row here); logits of a fresh head, a
+// ReLU head and a zero-initialised head into BCE-with-logits are made by no sigmoid (besides, a
+// ReLU head is exactly 0 for many outputs and a zero head everywhere at its first step, where a
+// sigmoid is exactly 0 only for arguments below about -17 in float16, -104 in float32). A class
+// loss needs one audited step: a model's logits are in [0, 1] with every row summing to 1 within
+// 1e-3 only by a coincidence that repeats on no other batch.
 // Not found: softmax computed in bfloat16 and cast to float32 before the loss (its rows sum within
-// 2.3e-3, judged at float32's 1e-3); a binary loss whose site is audited fewer than 3 times.
+// 2.3e-3, judged at float32's 1e-3); a binary loss whose site is audited fewer than 3 times, with
+// fewer than 64 outputs, or whose sigmoid is written by hand (1 / (1 + exp(-z))) or followed by an
+// op that changes values.
 //
-// Cost: audited steps only. A CPU input: one min/max reduction read at once, the row sums only
-// when every value lies in [0, 1]. A CUDA input: min, max, row sums and zeros reduced into four
-// doubles on the device with no synchronisation, shipped with the label flags at the step end
-// and judged when they are read, a step later (Note [Lagged checks]); with sync, read at once.
+// Cost: audited steps only. A binary loss: a look at the names of the autograd nodes that made its
+// input, values read only for a sigmoid's. A CPU input: one min/max reduction read at once, the
+// row sums only when every value lies in [0, 1]. A CUDA input: min, max, row sums and zeros reduced
+// into four doubles on the device with no synchronisation, shipped with the label flags at the step
+// end and judged when they are read, a step later (Note [Lagged checks]); with sync, read at once.
 // The input is only read (detached, under OwnOps): no gradient changes.
 
 namespace {
@@ -184,6 +195,19 @@ void judge(Core& c, const ProbCall& k, const ProbSummary& s) {
   }
 }
 
+// Whether `t` was made by a sigmoid, past ops that keep its values (producer_of): a walk of at
+// most 16 autograd nodes, each with one input.
+bool made_by_sigmoid(const at::Tensor& t) {
+  std::shared_ptr<torch::autograd::Node> fn = t.grad_fn();
+  for (int hops = 0; fn && hops < 16; ++hops) {
+    const Producer p = producer_of(fn->name());
+    if (p == Producer::kSigmoid) return true;
+    if (p == Producer::kOther || fn->next_edges().empty()) return false;
+    fn = fn->next_edges()[0].function;
+  }
+  return false;
+}
+
 }  // namespace
 
 void check_loss_input(Core& c, const OpInfo& info, const char* name,
@@ -196,7 +220,6 @@ void check_loss_input(Core& c, const OpInfo& info, const char* name,
     return;
   }
   const bool binary = info.expects == Expects::kBinaryLogits;
-  if (binary && input.numel() < kSigmoidMinElements) return;
   const std::optional<ClassLayout> layout = class_layout(input.sizes().vec());
   if (!binary && (!layout || layout->classes < 2)) return;
   const at::DisableRecordFunctionGuard unobserved;
@@ -208,6 +231,18 @@ void check_loss_input(Core& c, const OpInfo& info, const char* name,
              row_sum_tolerance(epsilon_of(input.scalar_type())),
              c.step,
              Source()};
+  if (binary && (x.numel() < kSigmoidMinElements || !made_by_sigmoid(input))) {
+    // Not sigmoid outputs: a run of this site, if one is going, is broken (its source names it).
+    {
+      const std::lock_guard<std::mutex> lock(c.mu);
+      bool running = false;
+      for (const auto& [site, run] : c.sigmoid_runs) running = running || run.steps > 0;
+      if (!running) return;
+    }
+    k.src = python_source(c.cfg.skip_frames);
+    note_binary(c, k, ProbSummary());  // no elements: not like a sigmoid's outputs
+    return;
+  }
   if (x.is_cuda() && !c.cfg.sync) {
     // Judged when the values are read, a step later: the source is taken now.
     k.src = python_source(c.cfg.skip_frames);
@@ -220,27 +255,11 @@ void check_loss_input(Core& c, const OpInfo& info, const char* name,
     c.device_reads.push_back(std::move(read));
     return;
   }
-  if (!x.is_cuda()) {
-    // One reduction says whether anything else is worth reading (logits have both signs).
+  if (!binary && !x.is_cuda()) {
+    // One reduction says whether the row sums are worth reading (logits have both signs).
     const auto [lo, hi] = at::aminmax(x);
     const double l = lo.item<double>(), h = hi.item<double>();
-    const bool in_unit = std::isfinite(l) && std::isfinite(h) && l >= 0.0 && h <= 1.0;
-    if (!in_unit && !binary) return;
-    if (!in_unit) {  // a binary site's run, if one is going, is broken: its source names it
-      {
-        const std::lock_guard<std::mutex> lock(c.mu);
-        bool running = false;
-        for (const auto& [site, run] : c.sigmoid_runs) running = running || run.steps > 0;
-        if (!running) return;
-      }
-      k.src = python_source(c.cfg.skip_frames);
-      ProbSummary s;
-      s.numel = x.numel();
-      s.lo = l;
-      s.hi = h;
-      note_binary(c, k, s);
-      return;
-    }
+    if (!(std::isfinite(l) && std::isfinite(h) && l >= 0.0 && h <= 1.0)) return;
   }
   const at::Tensor v = summary_values(x, k.layout, !binary).to(at::kCPU).contiguous();
   const ProbSummary s = summary_of(v.const_data_ptr<double>(), x.numel());

@@ -172,6 +172,25 @@ bool rows_are_probabilities(const ProbSummary& s, const ClassLayout& l, double t
          s.max_dev <= tolerance;
 }
 
+Producer producer_of(const std::string& node) {
+  static const char* const kSuffix = "Backward";
+  const size_t at = node.rfind(kSuffix);
+  if (at == std::string::npos || at == 0) return Producer::kOther;
+  for (size_t k = at + std::string(kSuffix).size(); k < node.size(); ++k) {
+    if (node[k] < '0' || node[k] > '9') return Producer::kOther;
+  }
+  const std::string op = node.substr(0, at);
+  if (op == "Sigmoid" || op == "Hardsigmoid") return Producer::kSigmoid;
+  static const char* const kSame[] = {
+      "View",  "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze",
+      "T",     "Transpose",  "Permute", "Expand",       "Select",  "Slice",
+      "Index", "Clone",      "ToCopy",  "AsStrided",    "Alias"};
+  for (const char* same : kSame) {
+    if (op == same) return Producer::kSameValues;
+  }
+  return Producer::kOther;
+}
+
 bool looks_like_sigmoid(const ProbSummary& s) {
   return s.numel >= kSigmoidMinElements && within_unit_interval(s) && s.hi >= kSigmoidMinMax &&
          4 * s.zeros <= s.numel;

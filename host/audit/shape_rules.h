@@ -94,8 +94,14 @@ bool rows_are_probabilities(const ProbSummary& s, const ClassLayout& l, double t
 /// [0, 1], the largest at least kSigmoidMinMax and at most a quarter of them exactly 0. The
 /// finding needs kSigmoidSteps audited steps in a row where every call of the site is so.
 constexpr int64_t kSigmoidMinElements = 64;
-constexpr double kSigmoidMinMax = 0.5;
+constexpr double kSigmoidMinMax = 0.1;
 constexpr int kSigmoidSteps = 3;
 bool looks_like_sigmoid(const ProbSummary& s);
+/// What an autograd node named `node` (e.g. "SigmoidBackward0") says of the tensor it made: a
+/// sigmoid's output (sigmoid, expit, hardsigmoid), the same values reshaped, selected or cast
+/// (view, reshape, squeeze, unsqueeze, flatten, transpose, permute, expand, select, slice,
+/// index, clone, a dtype cast: look at its input), or anything else.
+enum class Producer { kSigmoid, kSameValues, kOther };
+Producer producer_of(const std::string& node);
 
 }  // namespace trainsan::host::audit

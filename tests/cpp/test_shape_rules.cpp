@@ -241,6 +241,8 @@ using trainsan::host::audit::kRowSumTolerance;
 using trainsan::host::audit::kSigmoidMinElements;
 using trainsan::host::audit::looks_like_sigmoid;
 using trainsan::host::audit::ProbSummary;
+using trainsan::host::audit::Producer;
+using trainsan::host::audit::producer_of;
 using trainsan::host::audit::row_sum_tolerance;
 using trainsan::host::audit::rows_are_probabilities;
 
@@ -330,12 +332,27 @@ TEST(ProbsAsLogits, OneRowIsEnoughButNotOneClassOrNoRow) {
   EXPECT_FALSE(rows_are_probabilities(summary(0, 0.0, 0.0, 0.0), *class_layout({0, 10}), 1e-3));
 }
 
+TEST(ProbsAsLogits, ProducerByAutogradNodeName) {
+  EXPECT_EQ(producer_of("SigmoidBackward0"), Producer::kSigmoid);  // sigmoid, expit
+  EXPECT_EQ(producer_of("HardsigmoidBackward0"), Producer::kSigmoid);
+  for (const char* same : {"ViewBackward0", "SqueezeBackward1", "UnsqueezeBackward0", "TBackward0",
+                           "SliceBackward0", "SelectBackward0", "ToCopyBackward0", "IndexBackward0",
+                           "ExpandBackward0", "PermuteBackward0"}) {
+    EXPECT_EQ(producer_of(same), Producer::kSameValues) << same;
+  }
+  for (const char* other :
+       {"AddmmBackward0", "ReluBackward0", "MulBackward0", "SoftmaxBackward0", "Sigmoid",
+        "SigmoidBackwardX", "Backward0", "", "LogSigmoidBackward0"}) {
+    EXPECT_EQ(producer_of(other), Producer::kOther) << other;
+  }
+}
+
 TEST(ProbsAsLogits, SigmoidOutputsAtEachEdge) {
   const int64_t n = kSigmoidMinElements;
   EXPECT_TRUE(looks_like_sigmoid(summary(n, 0.31, 0.77, 0.0)));
   EXPECT_FALSE(looks_like_sigmoid(summary(n - 1, 0.31, 0.77, 0.0)));  // too few values
-  EXPECT_TRUE(looks_like_sigmoid(summary(n, 0.0, 0.5, 0.0, n / 4)));  // the largest exactly 0.5
-  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, std::nextafter(0.5, 0.0), 0.0)));
+  EXPECT_TRUE(looks_like_sigmoid(summary(n, 0.0, 0.1, 0.0, n / 4)));  // the largest exactly 0.1
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, std::nextafter(0.1, 0.0), 0.0)));
   EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, 0.9, 0.0, n / 4 + 1)));  // a ReLU's zeros
   EXPECT_TRUE(looks_like_sigmoid(summary(n, 1e-30, 1.0, 0.0)));            // saturated at 1.0
   EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, std::nextafter(1.0, 2.0), 0.0)));
