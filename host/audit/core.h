@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -27,9 +28,13 @@ namespace trainsan::host::audit {
 
 enum class OpClass { kElementwise, kBroadcastTensors, kLoss, kClassIndex, kOneHot, kEmbedding };
 
+// What a loss op expects as its input (probs_as_logits, Note [Probabilities as logits]).
+enum class Expects { kAny, kLogits, kLogProbs, kBinaryLogits };
+
 struct OpInfo {
   OpClass cls;
   int ignore_arg = -1;  // class-index ops: position of ignore_index, -1 when the op has none
+  Expects expects = Expects::kAny;
 };
 
 // A broadcast_tensors call waiting to see whether a loss op consumes its result.
@@ -67,11 +72,28 @@ struct DeviceCheck {
                      // and their count
 };
 
+// Values reduced on the device for a rule, read without a synchronisation: `values` (double,
+// 1-D) is copied to the host at the step end with the label flags (ship_device_checks) and
+// handed to `judge` when the copy has landed (Note [Lagged checks]).
+struct Core;
+struct DeviceRead {
+  at::Tensor values;
+  std::function<void(Core&, const double*)> judge;
+};
+
+// probs_as_logits at one call site of a binary loss: the audited steps in a row on which every
+// call's input looked like sigmoid outputs (Note [Probabilities as logits]).
+struct SigmoidRun {
+  int64_t last_step = -1;    // the last step counted
+  int64_t broken_step = -1;  // a step on which a call of the site did not look so
+  int steps = 0;
+};
+
 struct Core : std::enable_shared_from_this<Core> {
   explicit Core(AuditConfig config) : cfg(std::move(config)) {}
 
   const AuditConfig cfg;
-  std::mutex mu;  // sink, readback, open, overhead_s, device_checks
+  std::mutex mu;  // sink, readback, open, overhead_s, device_checks, device_reads, sigmoid_runs
   FindingSink* sink = nullptr;
   ReadbackQueue* readback = nullptr;
   bool open = true;
@@ -79,6 +101,8 @@ struct Core : std::enable_shared_from_this<Core> {
   int64_t audited_forwards = 0;  // coverage (under mu)
   int64_t ops_audited = 0;
   std::vector<DeviceCheck> device_checks;
+  std::vector<DeviceRead> device_reads;
+  std::map<std::string, SigmoidRun> sigmoid_runs;    // by call site (probs_as_logits)
   std::map<int64_t, ClassTargetFacts> target_facts;  // per audited step, the last few (empty_loss)
   std::atomic<bool> active{false};
   std::thread::id thread;  // the audited thread (under the registry's mutex)
@@ -169,8 +193,15 @@ void check_column_leak(Core& c, const char* op, const at::Tensor& target, int64_
 // The step ended: remove the gradient hooks that did not run, forget the lookups.
 void end_leak_checks(Core& c);
 
-// Starts the copies of the device label flags recorded so far (one per device) and queues them
-// in the read-back queue (Phase::kLabels); its drain reports them.
+// ---------------------------------------------------------------------------------------------
+// probs.cpp: probs_as_logits (Note [Probabilities as logits])
+
+// A loss op that expects logits or log-probabilities (info.expects) got `in`.
+void check_loss_input(Core& c, const OpInfo& info, const char* name,
+                      c10::ArrayRef<const c10::IValue> in);
+
+// Starts the copies of the device label flags and the device reads recorded so far (one per
+// device and list) and queues them in the read-back queue (Phase::kLabels); its drain reports them.
 void ship_device_checks(const std::shared_ptr<Core>& core);
 
 }  // namespace trainsan::host::audit

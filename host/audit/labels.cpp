@@ -264,16 +264,54 @@ void on_class_index(Core& c, const OpInfo& info, const char* name,
   check_column_leak(c, name, in[1].toTensor(), c.step);
 }
 
+namespace {
+
+// The device reads of other rules (DeviceRead): one copy per device of their values, concatenated;
+// the consumer hands each judge its slice.
+void ship_device_reads(const std::shared_ptr<Core>& core, std::vector<DeviceRead> reads) {
+  Core& c = *core;
+  std::map<std::pair<int, int>, std::vector<size_t>> by_device;
+  for (size_t k = 0; k < reads.size(); ++k) {
+    const at::Device d = reads[k].values.device();
+    by_device[{static_cast<int>(d.type()), d.index()}].push_back(k);
+  }
+  for (const auto& [dev, idx] : by_device) {
+    std::vector<at::Tensor> values;
+    std::vector<std::pair<int64_t, std::function<void(Core&, const double*)>>> judges;
+    int64_t offset = 0;
+    for (const size_t k : idx) {
+      at::Tensor v = reads[k].values.reshape({-1}).to(at::kDouble);
+      judges.emplace_back(offset, std::move(reads[k].judge));
+      offset += v.numel();
+      values.push_back(std::move(v));
+    }
+    const at::Tensor doubles = at::cat(values);
+    HostCopy copy = start_host_copy({at::empty({0}, doubles.options().dtype(at::kLong)), doubles});
+    auto consume = [core, judges = std::move(judges)](const PackedStats& host) {
+      const double* p = host.floats.const_data_ptr<double>();
+      for (const auto& [at_offset, judge] : judges) judge(*core, p + at_offset);
+    };
+    const std::lock_guard<std::mutex> lock(c.mu);
+    if (c.readback == nullptr) return;
+    c.readback->push(std::move(copy), ReadbackQueue::Phase::kLabels, std::move(consume));
+  }
+}
+
+}  // namespace
+
 void ship_device_checks(const std::shared_ptr<Core>& core) {
   Core& c = *core;
   std::vector<DeviceCheck> checks;
+  std::vector<DeviceRead> reads;
   {
     const std::lock_guard<std::mutex> lock(c.mu);
     checks.swap(c.device_checks);
+    reads.swap(c.device_reads);
   }
-  if (checks.empty()) return;
+  if (checks.empty() && reads.empty()) return;
   const OwnOps own;
   const at::DisableRecordFunctionGuard unobserved;
+  if (!reads.empty()) ship_device_reads(core, std::move(reads));
   std::map<std::pair<int, int>, std::vector<size_t>> by_device;
   for (size_t k = 0; k < checks.size(); ++k) {
     const at::Device d = checks[k].flags.device();

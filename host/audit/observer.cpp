@@ -56,6 +56,8 @@ namespace trainsan::host {
 //   `label_range` when a target value is outside [0, C) and is not ignore_index, checked before
 //   the op runs; `batch_mismatch` when target.size(0) != input.size(0). A target the Python
 //   layer has just checked (sync mode) is not checked again by the op's callback (LastTarget).
+// * `probs_as_logits` (audit/probs.cpp, Note [Probabilities as logits]): the input of a loss
+//   that applies softmax or sigmoid itself (the rows' `expects`) holds probabilities.
 // * `target_leak` (audit/leaks.cpp, Note [Target leak]): embedding lookups of integer sequences
 //   are noted with their output (the op's end: the only op whose outputs are read); the targets
 //   of class-index and loss ops are compared with them and with the forward's feature tables.
@@ -115,15 +117,15 @@ const std::unordered_map<std::string_view, OpInfo>& op_table() {
       {"aten::smooth_l1_loss", {OpClass::kLoss}},
       {"aten::huber_loss", {OpClass::kLoss}},
       {"aten::binary_cross_entropy", {OpClass::kLoss}},
-      {"aten::binary_cross_entropy_with_logits", {OpClass::kLoss}},
+      {"aten::binary_cross_entropy_with_logits", {OpClass::kLoss, -1, Expects::kBinaryLogits}},
       {"aten::soft_margin_loss", {OpClass::kLoss}},
       {"aten::kl_div", {OpClass::kLoss}},
       {"aten::poisson_nll_loss", {OpClass::kLoss}},
       {"aten::hinge_embedding_loss", {OpClass::kLoss}},
-      {"aten::cross_entropy_loss", {OpClass::kClassIndex, 4}},
-      {"aten::nll_loss_nd", {OpClass::kClassIndex, 4}},
-      {"aten::nll_loss", {OpClass::kClassIndex, 4}},
-      {"aten::nll_loss2d", {OpClass::kClassIndex, 4}},
+      {"aten::cross_entropy_loss", {OpClass::kClassIndex, 4, Expects::kLogits}},
+      {"aten::nll_loss_nd", {OpClass::kClassIndex, 4, Expects::kLogProbs}},
+      {"aten::nll_loss", {OpClass::kClassIndex, 4, Expects::kLogProbs}},
+      {"aten::nll_loss2d", {OpClass::kClassIndex, 4, Expects::kLogProbs}},
       {"aten::multi_margin_loss", {OpClass::kClassIndex, -1}},
       {"aten::one_hot", {OpClass::kOneHot, -1}},
       {"aten::embedding", {OpClass::kEmbedding}},
@@ -194,6 +196,7 @@ void audit_op(Core& c, const OpInfo& info, const char* name, c10::ArrayRef<const
       return;
     case OpClass::kLoss:
       on_loss(c, name, in);
+      if (info.expects != Expects::kAny) check_loss_input(c, info, name, in);
       return;
     case OpClass::kElementwise:
       flush_deferred(c);
@@ -203,6 +206,7 @@ void audit_op(Core& c, const OpInfo& info, const char* name, c10::ArrayRef<const
     case OpClass::kOneHot:
       flush_deferred(c);
       on_class_index(c, info, name, in);
+      if (info.expects != Expects::kAny) check_loss_input(c, info, name, in);
       return;
     case OpClass::kEmbedding:
       return;  // on_op_end: the lookup's output

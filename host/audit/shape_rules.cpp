@@ -150,4 +150,50 @@ std::optional<int64_t> leaked_column(const double* table, int64_t rows, int64_t 
   return std::nullopt;
 }
 
+std::optional<ClassLayout> class_layout(const Shape& input) {
+  if (input.empty()) return std::nullopt;
+  ClassLayout l;
+  l.dim = input.size() >= 2 ? 1 : 0;
+  l.classes = input[static_cast<size_t>(l.dim)];
+  l.rows = l.classes > 0 ? numel_of(input) / l.classes : 0;
+  return l;
+}
+
+double row_sum_tolerance(double eps) { return std::max(kRowSumTolerance, 4.0 * eps); }
+
+namespace {
+bool within_unit_interval(const ProbSummary& s) {
+  return s.numel > 0 && std::isfinite(s.lo) && std::isfinite(s.hi) && s.lo >= 0.0 && s.hi <= 1.0;
+}
+}  // namespace
+
+bool rows_are_probabilities(const ProbSummary& s, const ClassLayout& l, double tolerance) {
+  return l.classes >= 2 && l.rows >= 1 && within_unit_interval(s) && std::isfinite(s.max_dev) &&
+         s.max_dev <= tolerance;
+}
+
+Producer producer_of(const std::string& node) {
+  static const char* const kSuffix = "Backward";
+  const size_t at = node.rfind(kSuffix);
+  if (at == std::string::npos || at == 0) return Producer::kOther;
+  for (size_t k = at + std::string(kSuffix).size(); k < node.size(); ++k) {
+    if (node[k] < '0' || node[k] > '9') return Producer::kOther;
+  }
+  const std::string op = node.substr(0, at);
+  if (op == "Sigmoid" || op == "Hardsigmoid") return Producer::kSigmoid;
+  static const char* const kSame[] = {
+      "View",  "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze",
+      "T",     "Transpose",  "Permute", "Expand",       "Select",  "Slice",
+      "Index", "Clone",      "ToCopy",  "AsStrided",    "Alias"};
+  for (const char* same : kSame) {
+    if (op == same) return Producer::kSameValues;
+  }
+  return Producer::kOther;
+}
+
+bool looks_like_sigmoid(const ProbSummary& s) {
+  return s.numel >= kSigmoidMinElements && within_unit_interval(s) && s.hi >= kSigmoidMinMax &&
+         4 * s.zeros <= s.numel;
+}
+
 }  // namespace trainsan::host::audit

@@ -61,4 +61,47 @@ constexpr int64_t kLeakRowsReal = 8;
 std::optional<int64_t> leaked_column(const double* table, int64_t rows, int64_t cols,
                                      const double* target);
 
+// The value rules of probs_as_logits (Note [Probabilities as logits] in audit/probs.cpp), on a
+// summary of the loss input that the audit reduces on the input's device.
+
+/// Where a class-index loss's input holds its classes: dim 1 of an [N, C, d...] input, dim 0 of a
+/// [C] one; `rows` is the number of distributions (numel / C). Nothing for a 0-d input.
+struct ClassLayout {
+  int64_t dim = 0;
+  int64_t classes = 0;
+  int64_t rows = 0;
+};
+std::optional<ClassLayout> class_layout(const Shape& input);
+
+/// A loss input as probs_as_logits reads it.
+struct ProbSummary {
+  int64_t numel = 0;
+  double lo = 0.0;       ///< smallest element (NaN when some element is NaN)
+  double hi = 0.0;       ///< largest element (NaN when some element is NaN)
+  double max_dev = 0.0;  ///< class losses: the largest |sum over the class dim - 1| of a row
+  int64_t zeros = 0;     ///< binary losses: elements exactly 0
+};
+
+/// A row of probabilities sums to 1 within this for an input of machine epsilon `eps` (2^-23
+/// float32, 2^-10 float16, 2^-7 bfloat16): kRowSumTolerance, or 4 eps where that is larger.
+constexpr double kRowSumTolerance = 1e-3;
+double row_sum_tolerance(double eps);
+/// The class-loss rule: a nonempty input of layout `l` (C >= 2) whose every element is finite and
+/// in [0, 1] and whose every row sums to 1 within `tolerance`.
+bool rows_are_probabilities(const ProbSummary& s, const ClassLayout& l, double tolerance);
+
+/// The binary-loss rule on one call: at least kSigmoidMinElements elements, every one finite and in
+/// [0, 1], the largest at least kSigmoidMinMax and at most a quarter of them exactly 0. The
+/// finding needs kSigmoidSteps audited steps in a row where every call of the site is so.
+constexpr int64_t kSigmoidMinElements = 64;
+constexpr double kSigmoidMinMax = 0.1;
+constexpr int kSigmoidSteps = 3;
+bool looks_like_sigmoid(const ProbSummary& s);
+/// What an autograd node named `node` (e.g. "SigmoidBackward0") says of the tensor it made: a
+/// sigmoid's output (sigmoid, expit, hardsigmoid), the same values reshaped, selected or cast
+/// (view, reshape, squeeze, unsqueeze, flatten, transpose, permute, expand, select, slice,
+/// index, clone, a dtype cast: look at its input), or anything else.
+enum class Producer { kSigmoid, kSameValues, kOther };
+Producer producer_of(const std::string& node);
+
 }  // namespace trainsan::host::audit

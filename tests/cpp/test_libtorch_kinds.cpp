@@ -377,6 +377,13 @@ TEST(LibTorchKinds, EveryKindButPythonOnlyIsReached) {
            x.select(1, 3).copy_(labels(i).to(torch::kFloat));
            iteration(n, o, s, i, kCrossEntropy, true, true, x);
          }));
+  // The model's softmax output given to cross_entropy, which applies log_softmax itself.
+  expect("probs_as_logits",
+         run(1, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {
+           iteration(n, o, s, i, [](const torch::Tensor& out, int j) {
+             return kCrossEntropy(torch::softmax(out, 1), j);
+           });
+         }));
   // New batches, then the same one again: the data stopped advancing.
   expect("duplicate_batch",
          run(4, record(), [](Net& n, torch::optim::Optimizer& o, trainsan::Sanitizer& s, int i) {

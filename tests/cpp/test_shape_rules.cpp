@@ -1,8 +1,9 @@
 // The shape rules of the op audit (host/audit/shape_rules.h), torch-free: broadcasting and the
-// [N,1]-vs-[N] signature of Note [Op audit].
+// [N,1]-vs-[N] signature of Note [Op audit]; the value rules of target_leak and probs_as_logits.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -229,6 +230,138 @@ TEST(TargetLeak, OneHotPairOfATwoValuedLabelIsConditioning) {
   EXPECT_EQ(leaked_column(two.data(), kLeakRowsInteger, 2, y.data()), std::optional<int64_t>(1));
   // A single column is no table.
   EXPECT_EQ(leaked_column(y.data(), kLeakRowsInteger, 1, y.data()), std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// probs_as_logits (Note [Probabilities as logits]): the layout, the tolerance, the two rules.
+
+using trainsan::host::audit::class_layout;
+using trainsan::host::audit::ClassLayout;
+using trainsan::host::audit::kRowSumTolerance;
+using trainsan::host::audit::kSigmoidMinElements;
+using trainsan::host::audit::looks_like_sigmoid;
+using trainsan::host::audit::ProbSummary;
+using trainsan::host::audit::Producer;
+using trainsan::host::audit::producer_of;
+using trainsan::host::audit::row_sum_tolerance;
+using trainsan::host::audit::rows_are_probabilities;
+
+ProbSummary summary(int64_t numel, double lo, double hi, double max_dev, int64_t zeros = 0) {
+  ProbSummary s;
+  s.numel = numel;
+  s.lo = lo;
+  s.hi = hi;
+  s.max_dev = max_dev;
+  s.zeros = zeros;
+  return s;
+}
+
+const double kFloat32Eps = std::ldexp(1.0, -23);
+const double kHalfEps = std::ldexp(1.0, -10);
+const double kBFloat16Eps = std::ldexp(1.0, -7);
+
+TEST(ProbsAsLogits, ClassLayoutOfEachInputForm) {
+  const ClassLayout nc = *class_layout({64, 10});  // [N, C]
+  EXPECT_EQ(nc.dim, 1);
+  EXPECT_EQ(nc.classes, 10);
+  EXPECT_EQ(nc.rows, 64);
+  const ClassLayout c = *class_layout({10});  // one sample's [C]
+  EXPECT_EQ(c.dim, 0);
+  EXPECT_EQ(c.classes, 10);
+  EXPECT_EQ(c.rows, 1);
+  const ClassLayout ncd = *class_layout({2, 3, 4, 5});  // [N, C, H, W]: 2 * 4 * 5 rows
+  EXPECT_EQ(ncd.dim, 1);
+  EXPECT_EQ(ncd.classes, 3);
+  EXPECT_EQ(ncd.rows, 40);
+  EXPECT_EQ(class_layout({0, 10})->rows, 0);   // an empty batch
+  EXPECT_EQ(class_layout({8, 0})->rows, 0);    // no classes
+  EXPECT_FALSE(class_layout({}).has_value());  // 0-d
+}
+
+TEST(ProbsAsLogits, ToleranceByDtype) {
+  EXPECT_EQ(row_sum_tolerance(kFloat32Eps), kRowSumTolerance);  // 4 eps = 4.8e-7 < 1e-3
+  EXPECT_EQ(row_sum_tolerance(std::ldexp(1.0, -52)), kRowSumTolerance);
+  EXPECT_EQ(row_sum_tolerance(kHalfEps), 0.00390625);   // 4 * 2^-10
+  EXPECT_EQ(row_sum_tolerance(kBFloat16Eps), 0.03125);  // 4 * 2^-7
+}
+
+TEST(ProbsAsLogits, RowsSummingToOneAtTheToleranceEdge) {
+  const ClassLayout l = *class_layout({2, 2});
+  const double tol = row_sum_tolerance(kFloat32Eps);
+  // Rows [0.25, 0.75] and [0.5, 0.5005]: sums 1 and 1.0005, max |sum-1| = 5e-4.
+  EXPECT_TRUE(rows_are_probabilities(summary(4, 0.25, 0.75, 5e-4), l, tol));
+  EXPECT_TRUE(rows_are_probabilities(summary(4, 0.25, 0.75, 1e-3), l, tol));  // at the edge
+  EXPECT_FALSE(rows_are_probabilities(summary(4, 0.25, 0.75, std::nextafter(1e-3, 1.0)), l, tol));
+  // [0.5, 0.5011] sums to 1.0011: beyond float32's tolerance, within float16's.
+  EXPECT_FALSE(rows_are_probabilities(summary(4, 0.25, 0.75, 1.1e-3), l, tol));
+  EXPECT_TRUE(
+      rows_are_probabilities(summary(4, 0.25, 0.75, 1.1e-3), l, row_sum_tolerance(kHalfEps)));
+  EXPECT_TRUE(
+      rows_are_probabilities(summary(4, 0.25, 0.75, 0.00390625), l, row_sum_tolerance(kHalfEps)));
+  EXPECT_FALSE(
+      rows_are_probabilities(summary(4, 0.25, 0.75, 0.004), l, row_sum_tolerance(kHalfEps)));
+  // bfloat16: a row off by 2.3e-3 (measured on softmax over 10 classes) is within 3.1e-2.
+  EXPECT_TRUE(
+      rows_are_probabilities(summary(4, 0.0, 1.0, 2.3e-3), l, row_sum_tolerance(kBFloat16Eps)));
+}
+
+TEST(ProbsAsLogits, EveryValueMustBeFiniteAndInTheUnitInterval) {
+  const ClassLayout l = *class_layout({8, 10});
+  const double tol = kRowSumTolerance;
+  EXPECT_TRUE(rows_are_probabilities(summary(80, 0.0, 1.0, 0.0), l, tol));  // one-hot rows
+  EXPECT_FALSE(rows_are_probabilities(summary(80, -1e-7, 0.9, 0.0), l, tol));
+  EXPECT_FALSE(rows_are_probabilities(summary(80, 0.0, std::nextafter(1.0, 2.0), 0.0), l, tol));
+  const double nan = std::nan("");
+  const double inf = std::numeric_limits<double>::infinity();
+  // A NaN row makes min, max and its sum NaN; an Inf makes the max Inf.
+  EXPECT_FALSE(rows_are_probabilities(summary(80, nan, nan, nan), l, tol));
+  EXPECT_FALSE(rows_are_probabilities(summary(80, 0.0, 0.9, nan), l, tol));
+  EXPECT_FALSE(rows_are_probabilities(summary(80, 0.0, inf, inf), l, tol));
+  // Log-probabilities in [0, 1] are all 0: each row sums to 0.
+  EXPECT_FALSE(rows_are_probabilities(summary(80, 0.0, 0.0, 1.0), l, tol));
+}
+
+TEST(ProbsAsLogits, OneRowIsEnoughButNotOneClassOrNoRow) {
+  // A [C] input of one sample: softmax [0.2, 0.3, 0.5].
+  EXPECT_TRUE(rows_are_probabilities(summary(3, 0.2, 0.5, 0.0), *class_layout({3}), 1e-3));
+  EXPECT_TRUE(rows_are_probabilities(summary(3, 0.2, 0.5, 0.0), *class_layout({1, 3}), 1e-3));
+  // An [N, C, d] input: rows are the N * d positions.
+  EXPECT_TRUE(rows_are_probabilities(summary(24, 0.1, 0.8, 2e-7), *class_layout({2, 3, 4}), 1e-3));
+  // One class: every row is [1.0] after a softmax, and also a constant logit.
+  EXPECT_FALSE(rows_are_probabilities(summary(8, 1.0, 1.0, 0.0), *class_layout({8, 1}), 1e-3));
+  EXPECT_FALSE(rows_are_probabilities(summary(0, 0.0, 0.0, 0.0), *class_layout({0, 10}), 1e-3));
+}
+
+TEST(ProbsAsLogits, ProducerByAutogradNodeName) {
+  EXPECT_EQ(producer_of("SigmoidBackward0"), Producer::kSigmoid);  // sigmoid, expit
+  EXPECT_EQ(producer_of("HardsigmoidBackward0"), Producer::kSigmoid);
+  for (const char* same : {"ViewBackward0", "SqueezeBackward1", "UnsqueezeBackward0", "TBackward0",
+                           "SliceBackward0", "SelectBackward0", "ToCopyBackward0", "IndexBackward0",
+                           "ExpandBackward0", "PermuteBackward0"}) {
+    EXPECT_EQ(producer_of(same), Producer::kSameValues) << same;
+  }
+  for (const char* other :
+       {"AddmmBackward0", "ReluBackward0", "MulBackward0", "SoftmaxBackward0", "Sigmoid",
+        "SigmoidBackwardX", "Backward0", "", "LogSigmoidBackward0"}) {
+    EXPECT_EQ(producer_of(other), Producer::kOther) << other;
+  }
+}
+
+TEST(ProbsAsLogits, SigmoidOutputsAtEachEdge) {
+  const int64_t n = kSigmoidMinElements;
+  EXPECT_TRUE(looks_like_sigmoid(summary(n, 0.31, 0.77, 0.0)));
+  EXPECT_FALSE(looks_like_sigmoid(summary(n - 1, 0.31, 0.77, 0.0)));  // too few values
+  EXPECT_TRUE(looks_like_sigmoid(summary(n, 0.0, 0.1, 0.0, n / 4)));  // the largest exactly 0.1
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, std::nextafter(0.1, 0.0), 0.0)));
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, 0.9, 0.0, n / 4 + 1)));  // a ReLU's zeros
+  EXPECT_TRUE(looks_like_sigmoid(summary(n, 1e-30, 1.0, 0.0)));            // saturated at 1.0
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, std::nextafter(1.0, 2.0), 0.0)));
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, -1e-9, 0.8, 0.0)));   // logits of both signs
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.0, 0.0, 0.0, n)));  // a zero-initialised head
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 1e-4, 3e-3, 0.0)));   // small, of one sign
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, std::nan(""), std::nan(""), 0.0)));
+  EXPECT_FALSE(looks_like_sigmoid(summary(n, 0.2, std::numeric_limits<double>::infinity(), 0.0)));
+  EXPECT_FALSE(looks_like_sigmoid(summary(0, 0.0, 0.0, 0.0)));
 }
 
 }  // namespace

@@ -29,7 +29,8 @@ import trainsan  # noqa: E402
 import zoo  # noqa: E402
 import zoo_audit  # noqa: E402
 
-AUDIT_KINDS = ("broadcast", "label_range", "label_dtype", "batch_mismatch", "target_leak")
+AUDIT_KINDS = ("broadcast", "label_range", "label_dtype", "batch_mismatch", "target_leak",
+               "probs_as_logits")
 AUDIT_CASES = [c for c in zoo.CASES if c.fn.__module__ == "zoo_audit"]
 
 
@@ -50,12 +51,16 @@ def test_zoo_has_the_required_audit_cases():
     assert len(by_kind["label_dtype"]) >= 2
     assert len(by_kind["batch_mismatch"]) >= 1
     assert len(by_kind["target_leak"]) >= 2
+    assert len(by_kind["probs_as_logits"]) >= 3
+    names = " ".join(c.name for c in by_kind["probs_as_logits"])
+    assert "cross_entropy" in names and "nll_loss" in names and "bce_with_logits" in names
     names = " ".join(c.name for c in by_kind["broadcast"])
     assert "weight" in names and "handwritten" in names  # a loss weight, a hand-written loss
     assert len({c.model for c in bugs}) >= 3 and len({c.optimizer for c in bugs}) >= 3
     clean = " ".join(c.name + " " + c.description for c in AUDIT_CASES if c.clean)
     for pattern in ("bias", "scale", "attention", "pairwise", "positional", "timestep",
-                    "label_smoothing", "ignore_index"):
+                    "label_smoothing", "ignore_index", "log_softmax", "BCELoss",
+                    "soft targets"):
         assert pattern in clean, pattern
     assert all(c in zoo.BUGGY or c in zoo.CLEAN for c in AUDIT_CASES)
 

@@ -32,6 +32,7 @@ IMPLEMENTED = {
     "label_dtype": "error",
     "batch_mismatch": "error",
     "target_leak": "error",
+    "probs_as_logits": "error",
     "duplicate_batch": "warning",
     "fp16_overflow": "warning",
     "amp_scale_collapse": "error",

@@ -33,6 +33,7 @@ REQUIRED_KINDS = [
     "eval_mode",
     "duplicate_batch",
     "target_leak",
+    "probs_as_logits",
     "loss_spike",
     "trivial_loss",
     "empty_loss",

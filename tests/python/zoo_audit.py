@@ -1,5 +1,5 @@
 """Bug-zoo cases of the op audits: ``broadcast``, ``label_range``, ``label_dtype``,
-``batch_mismatch``, ``target_leak``.
+``batch_mismatch``, ``target_leak``, ``probs_as_logits``.
 
 Registered into the zoo (zoo.py imports this module before it builds ``BUGGY``/``CLEAN``), so
 tests/python/test_zoo.py and bench/zoo_score.py run them with the others. The clean loops use
@@ -696,3 +696,185 @@ def _clean_cgan(ctx):
         opt_d.zero_grad()
         d_loss.backward()
         opt_d.step()
+
+
+# --- probs_as_logits --------------------------------------------------------------------------
+# Note [Probabilities as logits] (host/audit/probs.cpp): probabilities given to a loss that applies
+# softmax or sigmoid itself. Nothing fails; the loss goes down slowly and accuracy plateaus.
+
+
+class SoftmaxCNN(SmallCNN):
+    """An MNIST-style classifier whose forward ends in softmax (as a Keras port would)."""
+
+    def forward(self, x):
+        return F.softmax(super().forward(x), dim=1)
+
+
+@case("probs_as_logits/softmax_in_forward_cross_entropy_cnn", "probs_as_logits", 0, "cnn",
+      "SGD+momentum",
+      "an MNIST-style classifier ends its forward in softmax and trains with "
+      "nn.CrossEntropyLoss, which applies log_softmax again: softmax twice, the gradients shrink")
+def _pl_softmax_ce(ctx):
+    model = SoftmaxCNN(classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    san = ctx.attach(model, opt)
+    criterion = nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        x, y = zoo.image_batch(n=16, classes=10)
+        opt.zero_grad()
+        loss = criterion(model(x), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("probs_as_logits/nll_loss_on_softmax_mlp", "probs_as_logits", 0, "mlp", "Adam",
+      "F.nll_loss on F.softmax(logits) — the log forgotten: the loss is -mean(p[target]), "
+      "negative, and barely trains")
+def _pl_nll_softmax(ctx):
+    model = make_mlp(din=8, dh=32, dout=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x = torch.randn(32, 8)
+        y = x[:, :4].argmax(1)
+        opt.zero_grad()
+        loss = F.nll_loss(F.softmax(model(x), dim=-1), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+class SigmoidHeadGRU(GRUClassifier):
+    """A binary sentiment classifier whose head ends in nn.Sigmoid."""
+
+    def __init__(self):
+        super().__init__(classes=1)
+        self.head = nn.Sequential(nn.Linear(16, 1), nn.Sigmoid())
+
+
+@case("probs_as_logits/sigmoid_head_bce_with_logits_gru", "probs_as_logits", 0, "gru", "RMSprop",
+      "a binary classifier with nn.Sigmoid in its head trained with nn.BCEWithLogitsLoss: "
+      "sigmoid twice, every prediction squeezed into [0.5, 0.73]")
+def _pl_sigmoid_bce(ctx):
+    model = SigmoidHeadGRU()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    criterion = nn.BCEWithLogitsLoss()
+    for step in range(STEPS):
+        t = torch.randint(0, 20, (64, 8))
+        y = (t[:, 0] < 10).float()[:, None]
+        opt.zero_grad()
+        loss = criterion(model(t), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+class Dense(nn.Module):
+    """Keras' Dense(units, activation=...) written in torch."""
+
+    def __init__(self, din, units, activation=None):
+        super().__init__()
+        self.linear = nn.Linear(din, units)
+        self.activation = {"relu": F.relu, "softmax": lambda h: F.softmax(h, -1),
+                           None: lambda h: h}[activation]
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+@case("probs_as_logits/keras_dense_softmax_transformer", "probs_as_logits", 0, "transformer",
+      "AdamW",
+      "a Keras-style last Dense(activation='softmax') over a transformer encoder, trained with "
+      "F.cross_entropy (Keras' from_logits=True pairing)")
+def _pl_keras_dense(ctx):
+    model = TinyTransformer(classes=16)
+    model.head = nn.Sequential(Dense(16, 16, "relu"), Dense(16, 5, "softmax"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        t, y = zoo.token_batch(n=16, classes=5)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(t), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+class LogSoftmaxCNN(SmallCNN):
+    """pytorch/examples' MNIST net: the forward ends in log_softmax."""
+
+    def forward(self, x):
+        return F.log_softmax(super().forward(x), dim=1)
+
+
+@case("clean/log_softmax_nll_loss_and_cross_entropy_cnn", None, None, "cnn", "SGD+momentum",
+      "pytorch/examples' MNIST: log_softmax in the forward and F.nll_loss; the same log_softmax "
+      "output also into cross_entropy (log_softmax is idempotent: same loss, same gradient), and "
+      "probabilities turned into log-probabilities with torch.log before nll_loss")
+def _c_log_softmax(ctx):
+    model = LogSoftmaxCNN(classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    san = ctx.attach(model, opt)
+    for step in range(STEPS):
+        x, y = zoo.image_batch(n=16, classes=10)
+        opt.zero_grad()
+        logp = model(x)
+        loss = F.nll_loss(logp, y) + F.cross_entropy(logp, y)
+        loss = loss + F.nll_loss(torch.log(logp.exp().clamp_min(1e-8)), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/sigmoid_bce_loss_and_logits_bce_with_logits_gru", None, None, "gru", "RMSprop",
+      "the right pairings: a sigmoid head with nn.BCELoss, and the logits with "
+      "nn.BCEWithLogitsLoss(pos_weight=...); a zero-initialised head and a ReLU head into "
+      "BCEWithLogits (not sigmoid outputs)")
+def _c_bce_pairings(ctx):
+    model = SigmoidHeadGRU()
+    logits_model = GRUClassifier(classes=1)
+    zero_head = GRUClassifier(classes=1)
+    nn.init.zeros_(zero_head.head.weight)
+    nn.init.zeros_(zero_head.head.bias)
+    relu_head = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), nn.ReLU())
+    params = [*model.parameters(), *logits_model.parameters(), *zero_head.parameters(),
+              *relu_head.parameters()]
+    opt = torch.optim.RMSprop(params, lr=1e-3)
+    whole = nn.ModuleList([model, logits_model, zero_head, relu_head])
+    san = ctx.attach(whole, opt)
+    bce, bce_logits = nn.BCELoss(), nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0]))
+    for step in range(STEPS):
+        t = torch.randint(0, 20, (64, 8))
+        y = (t[:, 0] < 10).float()[:, None]
+        opt.zero_grad()
+        loss = bce(model(t), y) + bce_logits(logits_model(t), y)
+        loss = loss + bce_logits(zero_head(t), torch.ones_like(y))  # one class only
+        loss = loss + bce_logits(relu_head(torch.randn(64, 8)), y)
+        san.watch_loss(loss).backward()
+        opt.step()
+
+
+@case("clean/soft_targets_mixup_distillation_mlp", None, None, "mlp", "Adam",
+      "soft targets: mixup's mixed one-hot targets and a teacher's softmax as the target of "
+      "cross_entropy (probabilities in the target, not the input), with label_smoothing and "
+      "class weights; logits near 0 of a freshly scaled-down head")
+def _c_soft_targets(ctx):
+    model = make_mlp(din=8, dh=32, dout=4)
+    with torch.no_grad():
+        model[-1].weight.mul_(1e-3)
+        model[-1].bias.zero_()
+    teacher = make_mlp(din=8, dh=32, dout=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    san = ctx.attach(model, opt)
+    w = torch.tensor([1.0, 2.0, 0.5, 1.0])
+    for step in range(STEPS):
+        x = torch.randn(32, 8)
+        y = x[:, :4].argmax(1)
+        lam = 0.7
+        perm = torch.randperm(32)
+        mixed = lam * F.one_hot(y, 4).float() + (1 - lam) * F.one_hot(y[perm], 4).float()
+        with torch.no_grad():
+            soft = F.softmax(teacher(x) / 2.0, -1)
+        opt.zero_grad()
+        out = model(lam * x + (1 - lam) * x[perm])
+        loss = F.cross_entropy(out, mixed) + F.cross_entropy(model(x), soft)
+        loss = loss + F.cross_entropy(out, y, weight=w, label_smoothing=0.1)
+        san.watch_loss(loss).backward()
+        opt.step()
