@@ -16,12 +16,14 @@ namespace trainsan_testing {
 
 class Digits : public torch::data::datasets::Dataset<Digits> {
  public:
-  Digits(int64_t size, uint64_t seed) {
+  // Images of side x side pixels (12, or 28 as MNIST's), class 0-2 a bright band.
+  Digits(int64_t size, uint64_t seed, int64_t side = 12) {
     torch::manual_seed(seed);
     targets_ = torch::randint(0, 3, {size}, torch::kLong);
-    images_ = torch::rand({size, 1, 12, 12}) * 0.3;
+    images_ = torch::rand({size, 1, side, side}) * 0.3;
+    const int64_t band = side / 3;
     for (int64_t i = 0; i < size; ++i) {
-      images_[i].narrow(1, 4 * targets_[i].item<int64_t>(), 4).add_(0.7);
+      images_[i].narrow(1, band * targets_[i].item<int64_t>(), band).add_(0.7);
     }
   }
   torch::data::Example<> get(size_t i) override { return {images_[i], targets_[i]}; }
@@ -50,15 +52,39 @@ struct MnistNet : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 
+// pytorch/examples' cpp/mnist Net as it is (28 x 28 inputs, 10 classes).
+struct ExamplesNet : torch::nn::Module {
+  ExamplesNet()
+      : conv1(torch::nn::Conv2dOptions(1, 10, 5)), conv2(10, 20, 5), fc1(320, 50), fc2(50, 10) {
+    register_module("conv1", conv1);
+    register_module("conv2", conv2);
+    register_module("conv2_drop", conv2_drop);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(torch::max_pool2d(conv1->forward(x), 2));
+    x = torch::relu(torch::max_pool2d(conv2_drop->forward(conv2->forward(x)), 2));
+    x = x.view({-1, 320});
+    x = torch::relu(fc1->forward(x));
+    x = torch::dropout(x, /*p=*/0.5, /*training=*/is_training());
+    x = fc2->forward(x);
+    return torch::log_softmax(x, /*dim=*/1);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Dropout2d conv2_drop;
+  torch::nn::Linear fc1, fc2;
+};
+
 struct Mnist {
-  explicit Mnist(int64_t train_size = 6 * 64)
+  explicit Mnist(int64_t train_size = 6 * 64, int64_t side = 12, int64_t test_size = 2000)
       : train_loader(torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-            Digits(train_size, 7)
+            Digits(train_size, 7, side)
                 .map(torch::data::transforms::Normalize<>(0.5, 0.3))
                 .map(torch::data::transforms::Stack<>()),
             64)),
         test_loader(
-            torch::data::make_data_loader(Digits(2000, 8)
+            torch::data::make_data_loader(Digits(test_size, 8, side)
                                               .map(torch::data::transforms::Normalize<>(0.5, 0.3))
                                               .map(torch::data::transforms::Stack<>()),
                                           1000)) {}
@@ -82,8 +108,8 @@ struct Mnist {
     }
   }
 
-  template <typename Loader>
-  void test(MnistNet& model, Loader& loader) {
+  template <typename Net, typename Loader>
+  void test(Net& model, Loader& loader) {
     torch::NoGradGuard no_grad;
     model.eval();
     for (const auto& batch : loader) {
