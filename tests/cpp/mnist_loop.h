@@ -52,7 +52,9 @@ struct MnistNet : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 
-// pytorch/examples' cpp/mnist Net as it is (28 x 28 inputs, 10 classes).
+// pytorch/examples' cpp/mnist Net as it is (28 x 28 inputs, 10 classes);
+// examples/cpp/mnist/mnist.cpp writes the same network out again on purpose: it is a one-file
+// program for users to copy.
 struct ExamplesNet : torch::nn::Module {
   ExamplesNet()
       : conv1(torch::nn::Conv2dOptions(1, 10, 5)), conv2(10, 20, 5), fc1(320, 50), fc2(50, 10) {

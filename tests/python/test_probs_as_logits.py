@@ -15,7 +15,6 @@ explicit trainsan.attach and through the launcher (`python -m trainsan run`):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -23,33 +22,19 @@ import torch
 import torch.nn.functional as F
 
 import trainsan
-from _launch import run_script
+from _launch import LAUNCHER_DIR, load_loops, run_script
+from _launch import run_attached as run_loop
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "launcher", "probs_loops.py")
-_spec = importlib.util.spec_from_file_location("probs_loops", SCRIPT)
-loops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(loops)
+loops = load_loops("probs_loops.py")
+SCRIPT = os.path.join(LAUNCHER_DIR, "probs_loops.py")
 
 HONEST = [n for n in loops.LOOPS if n not in loops.BUGGY]
 BINARY = {"keras_sigmoid_bce_with_logits"}  # found at the third audited step
 
 
 def run_attached(name, **options):
-    sans = []
-
-    def attach(model, opt):
-        san = trainsan.attach(model, opt, policy="record", **options)
-        sans.append(san)
-        return san
-
     torch.manual_seed(0)
-    loops.LOOPS[name](attach)
-    findings = []
-    for s in sans:
-        s.close()
-        findings += list(s.findings)
-    return findings
+    return run_loop(loops.LOOPS[name], **options)
 
 
 @pytest.mark.parametrize("name", loops.BUGGY)

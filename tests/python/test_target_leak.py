@@ -16,7 +16,6 @@ through an explicit trainsan.attach and through the launcher (`python -m trainsa
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -25,32 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainsan
-from _launch import run_script
+from _launch import LAUNCHER_DIR, load_loops, run_script
+from _launch import run_attached as run_loop
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "launcher", "target_leak_loops.py")
-_spec = importlib.util.spec_from_file_location("target_leak_loops", SCRIPT)
-loops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(loops)
+loops = load_loops("target_leak_loops.py")
+SCRIPT = os.path.join(LAUNCHER_DIR, "target_leak_loops.py")
 
 HONEST = [n for n in loops.LOOPS if n not in loops.BUGGY]
 
 
 def run_attached(name):
-    sans = []
-
-    def attach(model, opt):
-        san = trainsan.attach(model, opt, policy="record")
-        sans.append(san)
-        return san
-
-    loops.LOOPS[name](attach)
-    sans = [s for s in sans if s is not None]
-    findings = []
-    for s in sans:
-        s.close()
-        findings += list(s.findings)
-    return findings
+    return run_loop(loops.LOOPS[name])
 
 
 @pytest.mark.parametrize("name", loops.BUGGY)
