@@ -119,18 +119,34 @@ def _remember(obj: Any) -> None:
 
 
 def _lookup(sd: Any) -> Optional[CkptInfo]:
+    """The checkpoint `sd` comes from. A fingerprint holds an id, which Python hands out again
+    once its dict is freed: a fingerprint is only taken for a checkpoint still alive, and a dict
+    with tensors only where its first tensors are the checkpoint's (the same objects: weak
+    references, so a freed tensor's id matches nothing). Else a new dict of a later checkpoint
+    whose id, size and first key fell on a freed one's was taken for it (its CkptInfo: another
+    run's optimizer state, or none)."""
     if not isinstance(sd, Mapping):
         return None
     fp = _fp(sd)
-    for fps, _, info in reversed(_loaded):
-        if fp in fps:
+    ts = _tensors(sd)
+    for fps, tids, info in reversed(_loaded):
+        if fp in fps and (_theirs(ts, tids) if ts else _alive(tids)):
             return info
     # A copy of one of its state dicts: all of the copy's first tensors are the checkpoint's.
-    ts = _tensors(sd)
     for _, tids, info in reversed(_loaded) if ts else ():
-        if all(id(t) in tids and tids[id(t)]() is t for t in ts):
+        if _theirs(ts, tids):
             return info
     return None
+
+
+def _theirs(ts: list, tids: dict) -> bool:
+    """Whether the tensors `ts` are all among a checkpoint's own (tids: id -> weakref)."""
+    return all(id(t) in tids and tids[id(t)]() is t for t in ts)
+
+
+def _alive(tids: dict) -> bool:
+    """Whether a checkpoint may still be alive: one of its tensors is (or it had none)."""
+    return not tids or any(r() is not None for r in tids.values())
 
 
 def _related(module: torch.nn.Module, model: torch.nn.Module) -> bool:
@@ -174,7 +190,8 @@ def _guard(fn, *args, what: str = "the load went through unchecked") -> None:
 # _JOURNALED loads, in order, each holding only a weak reference to what was loaded and what the
 # load needs later — a model load keeps the CkptInfo of the torch.load it came from (looked up
 # at the load: by the state dict's identity, or, for a copy of it — timm's clean_state_dict, a
-# rename loop — by the identity of its first tensors, the checkpoint's own and alive), the strict
+# rename loop — by the identity of its first tensors, the checkpoint's own and alive; an id is
+# reused once its object is freed, so a fingerprint counts only where that holds too), the strict
 # flag, the missing/unexpected key names and weak references to the
 # parameters it wrote (a fine-tune's new head is none of them: Note [Resume checks]); never a
 # tensor or a state dict. The journal is the single source of the resume events: a load made

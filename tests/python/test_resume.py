@@ -341,6 +341,33 @@ def test_a_cleaned_copy_of_the_state_dict_is_still_the_checkpoints(ckpt, load_op
         assert "optimizer 0 (AdamW) was not restored" in errors[0].message
 
 
+def test_a_freed_checkpoints_fingerprint_matches_no_new_dict():
+    """A checkpoint's dicts are fingerprinted by id; once it is freed, a new dict may get one of
+    its ids (CPython reuses them), with the same size and first key. That dict is not the freed
+    checkpoint's: neither one with tensors of its own nor, once every tensor of the checkpoint is
+    gone, one without (this made the cleaned-copy test above fail now and then, finding a former
+    test's checkpoint, which had no optimizer state, instead of its own)."""
+    import weakref
+
+    from trainsan import _journal
+
+    new = {"weight": torch.zeros(2), "bias": torch.zeros(2)}
+    plain = {"lr": 0.1}
+    gone = torch.ones(2)
+    tids = {id(gone): weakref.ref(gone)}
+    stale = _journal.CkptInfo()
+    stale.has_optimizer_state = True
+    saved = list(_journal._loaded)
+    try:
+        _journal._loaded.append(({_journal._fp(new), _journal._fp(plain)}, tids, stale))
+        assert _journal._lookup(new) is None  # its tensors are not the checkpoint's
+        assert _journal._lookup(plain) is stale  # the checkpoint may still be alive
+        del gone
+        assert _journal._lookup(plain) is None  # every tensor of it freed: so is it
+    finally:
+        _journal._loaded[:] = saved
+
+
 def test_a_state_dict_of_fresh_tensors_is_not_a_checkpoints(ckpt):
     """The identity match needs the checkpoint's own tensor objects, alive: a state dict of new
     tensors with equal values (a deep copy) is not taken for the checkpoint's."""
