@@ -266,16 +266,24 @@ void on_class_index(Core& c, const OpInfo& info, const char* name,
 
 namespace {
 
+// Indices 0..n-1 grouped by their item's device (`device_of(k)`), each group in order: one host
+// copy per device.
+template <typename DeviceOf>
+std::map<std::pair<int, int>, std::vector<size_t>> by_device(size_t n, DeviceOf device_of) {
+  std::map<std::pair<int, int>, std::vector<size_t>> out;
+  for (size_t k = 0; k < n; ++k) {
+    const at::Device d = device_of(k);
+    out[{static_cast<int>(d.type()), d.index()}].push_back(k);
+  }
+  return out;
+}
+
 // The device reads of other rules (DeviceRead): one copy per device of their values, concatenated;
 // the consumer hands each judge its slice.
 void ship_device_reads(const std::shared_ptr<Core>& core, std::vector<DeviceRead> reads) {
   Core& c = *core;
-  std::map<std::pair<int, int>, std::vector<size_t>> by_device;
-  for (size_t k = 0; k < reads.size(); ++k) {
-    const at::Device d = reads[k].values.device();
-    by_device[{static_cast<int>(d.type()), d.index()}].push_back(k);
-  }
-  for (const auto& [dev, idx] : by_device) {
+  for (const auto& [dev, idx] :
+       by_device(reads.size(), [&](size_t k) { return reads[k].values.device(); })) {
     std::vector<at::Tensor> values;
     std::vector<std::pair<int64_t, std::function<void(Core&, const double*)>>> judges;
     int64_t offset = 0;
@@ -312,12 +320,8 @@ void ship_device_checks(const std::shared_ptr<Core>& core) {
   const OwnOps own;
   const at::DisableRecordFunctionGuard unobserved;
   if (!reads.empty()) ship_device_reads(core, std::move(reads));
-  std::map<std::pair<int, int>, std::vector<size_t>> by_device;
-  for (size_t k = 0; k < checks.size(); ++k) {
-    const at::Device d = checks[k].flags.device();
-    by_device[{static_cast<int>(d.type()), d.index()}].push_back(k);
-  }
-  for (const auto& [dev, idx] : by_device) {
+  for (const auto& [dev, idx] :
+       by_device(checks.size(), [&](size_t k) { return checks[k].flags.device(); })) {
     std::vector<at::Tensor> flags;
     std::vector<LabelCheck> ks;
     for (const size_t k : idx) {
